@@ -1,0 +1,37 @@
+# `make quickstart` and `make test` set up .venv on a fresh machine, then run.
+# TORCH picks the torch build: the default is a CPU-friendly pin; on an NVIDIA machine use e.g.
+#   make quickstart TORCH="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124"
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup quickstart test lint format bench clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	# open_clip_torch only for its CLIP BPE vocabulary file; --no-deps keeps torchvision out.
+	$(PY) -m pip install -q --no-deps open_clip_torch
+	touch $@
+
+setup: $(VENV)/.installed
+
+quickstart: setup
+	$(PY) scripts/quickstart.py --out outputs/quickstart
+
+test: setup lint
+	$(PY) -m pytest
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf outputs logs .pytest_cache

@@ -1,0 +1,1 @@
+"""Side concerns of training, one file each: EMA weights, sample images."""

@@ -1,0 +1,97 @@
+"""Read our checkpoints: weights, the resolved config and each part's own config travel together."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ldm.models.parts import Parts
+
+MODULE_PARTS = ("unet", "vae", "text_encoder")
+
+
+def describe_parts(parts: Parts) -> dict:
+    """Each part's class and config (and the tokenizer's files), enough to rebuild it without weights."""
+    described = {}
+    for name in MODULE_PARTS:
+        module = getattr(parts, name)
+        config = module.config.to_dict() if hasattr(module.config, "to_dict") else dict(module.config)
+        described[name] = {"class": _class_path(module), "config": _plain(config)}
+    described["scheduler"] = {"class": _class_path(parts.scheduler), "config": _plain(dict(parts.scheduler.config))}
+    with tempfile.TemporaryDirectory() as tmp:
+        parts.tokenizer.save_pretrained(tmp)
+        files = {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
+    described["tokenizer"] = {"class": _class_path(parts.tokenizer), "files": files}
+    return described
+
+
+def _class_path(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__.split('.')[0]}.{cls.__name__}"
+
+
+def _plain(value: Any) -> Any:
+    """Config values as plain Python types, so the checkpoint loads with `weights_only=True`."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Load one of our checkpoints without executing code from it; explain what is wrong otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"{path}: not a readable checkpoint ({' '.join(str(err).split())[:300]})") from None
+    if not isinstance(ckpt, dict) or "ldm" not in ckpt or "state_dict" not in ckpt:
+        raise ValueError(f"{path}: not an ldm checkpoint (no 'ldm' and 'state_dict' entries); was it made by main.py?")
+    return ckpt
+
+
+def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
+    """Rebuild the parts saved in a checkpoint, with its trained weights (or its EMA weights)."""
+    import importlib
+
+    from accelerate import init_empty_weights
+
+    described = ckpt["ldm"]["parts"]
+    state = dict(ckpt["state_dict"])
+    if ema:
+        if not ckpt.get("ema_state_dict"):
+            raise ValueError("this checkpoint has no EMA weights; train with the EMA callback or drop --ema")
+        state.update(ckpt["ema_state_dict"])
+    built = {}
+    for name in MODULE_PARTS:
+        module_name, cls_name = described[name]["class"].rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        with init_empty_weights():
+            if module_name == "transformers":
+                config_cls = getattr(importlib.import_module(module_name), cls_name.replace("Model", "Config"))
+                module = cls(config_cls(**described[name]["config"]))
+            else:
+                module = cls.from_config(described[name]["config"])
+        prefix = f"{name}."
+        module.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, assign=True)
+        built[name] = module.eval()
+    module_name, cls_name = described["scheduler"]["class"].rsplit(".", 1)
+    built["scheduler"] = getattr(importlib.import_module(module_name), cls_name).from_config(
+        described["scheduler"]["config"]
+    )
+    module_name, cls_name = described["tokenizer"]["class"].rsplit(".", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        for filename, text in described["tokenizer"]["files"].items():
+            (Path(tmp) / filename).write_text(text)
+        built["tokenizer"] = getattr(importlib.import_module(module_name), cls_name).from_pretrained(tmp)
+    return Parts(**built)

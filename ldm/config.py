@@ -1,0 +1,364 @@
+"""Load, merge, check and instantiate YAML configs; every error names the key path and its file.
+
+A config is data: `model`, `data` and `lightning` sections whose nodes of the form
+`{target: dotted.path, params: {...}}` are checked against the target's signature (unknown
+parameters, wrong types, missing files) before anything is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, NewType, TypedDict, Union
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+ExistingPath = NewType("ExistingPath", str)
+"""A parameter annotated with this must name a file or folder that exists."""
+
+TOP_LEVEL_KEYS = ("model", "data", "lightning")
+LIGHTNING_KEYS = ("trainer", "callbacks", "modelcheckpoint")
+
+# Targets that old CompVis / Colossal-AI configs name, mapped to where they live now.
+TARGET_ALIASES = {
+    "ldm.data.base.Txt2ImgIterableBaseDataset": "ldm.data.DataModule",
+}
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or a command-line override."""
+
+
+class TargetSpec(TypedDict, total=False):
+    """A `{target, params}` node: a class or function to import and the arguments to call it with."""
+
+    target: str
+    params: dict
+
+
+@dataclass(frozen=True)
+class Supplied:
+    """Mark a `TargetSpec` whose target receives these arguments from code, not from the config."""
+
+    names: tuple[str, ...]
+
+
+def supplied(*names: str) -> Any:
+    """`TargetSpec` whose target gets `names` from the calling code: `Annotated[TargetSpec, Supplied]`."""
+    return Annotated[TargetSpec, Supplied(names)]
+
+
+@dataclass
+class Sources:
+    """Which file (or the command line) set each key, so errors can say where a value came from."""
+
+    layers: list[tuple[str, set[str]]] = field(default_factory=list)
+
+    def add(self, name: str, cfg: DictConfig) -> None:
+        self.layers.append((name, set(_flat_keys(OmegaConf.to_container(cfg)))))
+
+    def where(self, key: str) -> str:
+        """The last source that set `key` or one of its parents/children."""
+        for name, keys in reversed(self.layers):
+            if any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys):
+                return name
+        return "defaults"
+
+
+def _flat_keys(node: Any, prefix: str = "") -> typing.Iterator[str]:
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from _flat_keys(v, f"{prefix}{k}.")
+        if not node and prefix:
+            yield prefix[:-1]
+    elif prefix:
+        yield prefix[:-1]
+
+
+def load_config(files: Sequence[str | os.PathLike], overrides: Sequence[str] = ()) -> tuple[DictConfig, Sources]:
+    """Merge YAML `files` in order, then dotted `key.path=value` overrides; later ones win."""
+    sources = Sources()
+    layers = []
+    for path in files:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            cfg = OmegaConf.load(path)
+        except Exception as err:  # yaml.YAMLError and OmegaConf errors; both name the line
+            raise ConfigError(f"{path}: not valid YAML: {_one_line(err)}") from None
+        if not isinstance(cfg, DictConfig):
+            raise ConfigError(f"{path}: a config must be a mapping of sections, got a list")
+        sources.add(str(path), cfg)
+        layers.append(cfg)
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"command line: override {item!r} must look like key.path=value")
+    if overrides:
+        try:
+            cli = OmegaConf.from_dotlist(list(overrides))
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"command line: cannot parse overrides: {_one_line(err)}") from None
+        sources.add("command line", cli)
+        layers.append(cli)
+    try:
+        merged = OmegaConf.merge(*layers) if layers else OmegaConf.create()
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(
+                f"{missing[0]} ({sources.where(missing[0])}): required value (???) not set; "
+                f"pass it on the command line as {missing[0]}=VALUE"
+            )
+        OmegaConf.resolve(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot merge configs: {_one_line(err)}") from None
+    return merged, sources
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
+    """Check the whole config before anything is built; raise one `ConfigError` naming the key."""
+    sources = sources or Sources()
+    for key in cfg:
+        if key not in TOP_LEVEL_KEYS:
+            _fail(sources, str(key), f"unknown section; valid sections: {', '.join(TOP_LEVEL_KEYS)}")
+    for section in ("model", "data"):
+        if section not in cfg:
+            raise ConfigError(f"{section}: missing section; every config needs `{section}: {{target, params}}`")
+        check_target_node(cfg[section], section, sources)
+    lightning = cfg.get("lightning") or {}
+    if not isinstance(lightning, Mapping):
+        _fail(sources, "lightning", "must be a mapping")
+    for key in lightning:
+        if key not in LIGHTNING_KEYS:
+            _fail(sources, f"lightning.{key}", f"unknown key; valid keys: {', '.join(LIGHTNING_KEYS)}")
+    trainer = lightning.get("trainer") or {}
+    check_params(trainer, _trainer_signature(), "lightning.trainer", sources, skip=("strategy",))
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, Mapping):
+        check_target_node(strategy, "lightning.trainer.strategy", sources)
+    callbacks = lightning.get("callbacks") or {}
+    if not isinstance(callbacks, Mapping):
+        _fail(sources, "lightning.callbacks", "must be a mapping of name: {target, params}")
+    for name, node in callbacks.items():
+        check_target_node(node, f"lightning.callbacks.{name}", sources)
+    checkpoint = lightning.get("modelcheckpoint") or {}
+    for k in checkpoint:
+        if k != "params":
+            _fail(sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (of ModelCheckpoint)")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    check_params(
+        checkpoint.get("params") or {},
+        _signature(ModelCheckpoint),
+        "lightning.modelcheckpoint.params",
+        sources,
+        skip=("dirpath",),
+    )
+    if lightning.get("logger") is not None:
+        _fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
+
+
+def _trainer_signature() -> inspect.Signature:
+    from lightning.pytorch import Trainer
+
+    return inspect.signature(Trainer.__init__)
+
+
+def import_target(path: str, key: str = "target", sources: Sources | None = None) -> Any:
+    """Import `package.module.Name`; a bad path is a `ConfigError` naming the key."""
+    path = TARGET_ALIASES.get(path, path)
+    module_name, _, attr = str(path).rpartition(".")
+    if not module_name:
+        _fail(sources, key, f"target {path!r} must be a dotted path like package.module.Class")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        _fail(sources, key, f"cannot import {path!r}: {_one_line(err)}")
+    if not hasattr(module, attr):
+        _fail(sources, key, f"cannot import {path!r}: module {module_name!r} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def check_target_node(node: Any, key: str, sources: Sources | None = None, supplied: Sequence[str] = ()) -> None:
+    """Check one `{target, params}` node and, recursively, the nodes inside its params.
+
+    `supplied` names arguments the calling code passes; the config may not set them.
+    """
+    if not isinstance(node, Mapping) or "target" not in node:
+        _fail(sources, key, "must be a mapping with a `target` (and optional `params`)")
+    for k in node:
+        if k not in ("target", "params"):
+            _fail(sources, f"{key}.{k}", "unknown key; a target node has only `target` and `params`")
+    target = import_target(node["target"], f"{key}.target", sources)
+    params = node.get("params") or {}
+    if not isinstance(params, Mapping):
+        _fail(sources, f"{key}.params", f"must be a mapping, got {_show(params)}")
+    for name in supplied:
+        if name in params:
+            _fail(sources, f"{key}.params.{name}", "is set by the code that builds this target; remove it")
+    check_params(params, _signature(target), f"{key}.params", sources, skip=supplied, supplied=supplied)
+
+
+def _signature(target: Any) -> inspect.Signature:
+    sig = inspect.signature(target)
+    try:
+        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target, include_extras=True)
+    except Exception:
+        hints = {}
+    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
+    return sig.replace(parameters=params)
+
+
+def check_params(
+    params: Mapping,
+    sig: inspect.Signature,
+    key: str,
+    sources: Sources | None = None,
+    skip: Sequence[str] = (),
+    supplied: Sequence[str] = (),
+) -> None:
+    """Check `params` against a signature: unknown names, missing required ones, value types."""
+    accepted = {n: p for n, p in sig.parameters.items() if n != "self"}
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    for name, value in params.items():
+        where = f"{key}.{name}"
+        if name in skip:
+            continue
+        if name not in accepted or accepted[name].kind in (accepted[name].VAR_POSITIONAL, accepted[name].VAR_KEYWORD):
+            if takes_kwargs:
+                continue
+            valid = ", ".join(n for n, p in accepted.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+            _fail(sources, where, f"unknown parameter; valid: {valid}")
+        check_value(value, accepted[name].annotation, where, sources)
+    for name, p in accepted.items():
+        required = p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if required and name not in params and name not in supplied:
+            _fail(sources, f"{key}.{name}", "missing required parameter")
+
+
+def check_value(value: Any, annotation: Any, key: str, sources: Sources | None = None) -> None:
+    """Check one value against a type annotation (a subset of typing that configs use)."""
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return
+    if _matches(value, annotation, key, sources):
+        return
+    _fail(sources, key, f"expected {_type_name(annotation)}, got {_show(value)}")
+
+
+def _matches(value: Any, ann: Any, key: str, sources: Sources | None) -> bool:
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is Annotated:
+        marks = [m for m in ann.__metadata__ if isinstance(m, Supplied)]
+        if marks and isinstance(value, Mapping):
+            check_target_node(value, key, sources, marks[0].names)
+            return True
+        return _matches(value, args[0], key, sources)
+    if ann is ExistingPath:
+        if not isinstance(value, (str, os.PathLike)):
+            return False
+        if not Path(value).expanduser().exists():
+            _fail(sources, key, f"no such file or folder: {value}")
+        return True
+    if ann is type(None) or ann is None:
+        return value is None
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in args:
+            try:
+                if _matches(value, arg, key, sources):
+                    return True
+            except ConfigError as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        return False
+    if origin is Literal:
+        if value not in args:
+            _fail(sources, key, f"got {_show(value)}; valid: {', '.join(map(repr, args))}")
+        return True
+    if _is_typeddict(ann):
+        if not isinstance(value, Mapping):
+            return False
+        hints = typing.get_type_hints(ann)
+        for k, v in value.items():
+            if k not in hints:
+                _fail(sources, f"{key}.{k}", f"unknown key; valid: {', '.join(hints)}")
+            check_value(v, hints[k], f"{key}.{k}", sources)
+        if ann is TargetSpec:
+            check_target_node(value, key, sources)
+        return True
+    if ann is bool:
+        return isinstance(value, bool)
+    if ann is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if ann is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ann is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, Sequence) or ann in (list, tuple):
+        if not isinstance(value, (list, tuple, ListConfig)):
+            return False
+        item = args[0] if args and (origin is not tuple or len(args) == 2 and args[1] is Ellipsis) else Any
+        for i, v in enumerate(value):
+            check_value(v, item, f"{key}[{i}]", sources)
+        return True
+    if origin in (dict, Mapping) or ann in (dict, Mapping):
+        return isinstance(value, (Mapping, DictConfig))
+    # Classes (modules, callables, ...) cannot come from YAML except as a target node.
+    if inspect.isclass(ann):
+        return isinstance(value, ann) or isinstance(value, Mapping) and "target" in value
+    return True
+
+
+def _is_typeddict(ann: Any) -> bool:
+    return typing.is_typeddict(ann)
+
+
+def _type_name(ann: Any) -> str:
+    if ann is ExistingPath:
+        return "a path"
+    if typing.get_origin(ann) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(ann))
+    if ann is type(None):
+        return "null"
+    if typing.get_origin(ann) in (list, tuple, Sequence):
+        return "a list"
+    if typing.get_origin(ann) in (dict, Mapping) or _is_typeddict(ann):
+        return "a mapping"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    return f"{type(value).__name__} {value!r}" if not isinstance(value, (dict, list)) else f"{value!r}"
+
+
+def _fail(sources: Sources | None, key: str, message: str) -> typing.NoReturn:
+    where = f" ({sources.where(key)})" if sources else ""
+    raise ConfigError(f"{key}{where}: {message}")
+
+
+def to_plain(node: Any) -> Any:
+    """An OmegaConf node as plain dicts and lists (for calling code and for checkpoints)."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def instantiate(node: Any, key: str = "", **extra: Any) -> Any:
+    """Build `target(**params, **extra)` from a `{target, params}` node."""
+    target = import_target(node["target"], f"{key}.target")
+    params = to_plain(node.get("params") or {})
+    return target(**params, **extra)

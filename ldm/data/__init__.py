@@ -1,0 +1,170 @@
+"""Training data: any map-style `Dataset` of `{pixel_values, caption}` examples, resumable mid-epoch.
+
+`DataModule` wraps a dataset given by `target` (the user's own, or one of ours), shuffles it
+with a seeded sampler whose position is saved in every checkpoint, applies caption dropout for
+classifier-free guidance, and can encode every image once with the model's VAE (`cache_latents`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ldm.config import TargetSpec, instantiate
+
+log = logging.getLogger(__name__)
+
+
+class ResumableSampler(Sampler):
+    """Seeded per-epoch shuffle, sharded by rank, that can start mid-epoch.
+
+    Yields `(index, drop_caption, augment_seed)`: everything random about an example is drawn
+    here from (seed, epoch), so a resumed run sees exactly the examples an unbroken run would.
+    """
+
+    def __init__(
+        self, size: int, batch_size: int, shuffle: bool, seed: int, caption_dropout: float, rank: int, world_size: int
+    ) -> None:
+        self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
+        self.caption_dropout, self.rank, self.world_size = caption_dropout, rank, world_size
+        self.epoch, self.resume_epoch, self.resume_batches = 0, -1, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, epoch: int, batches_done: int) -> None:
+        """Skip the first `batches_done` batches the next time `epoch` is iterated."""
+        self.resume_epoch, self.resume_batches = epoch, batches_done
+
+    def __len__(self) -> int:
+        return self.size // self.world_size
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(self.size, generator=g) if self.shuffle else torch.arange(self.size)
+        drop = torch.rand(self.size, generator=g) < self.caption_dropout
+        augment_seeds = torch.randint(0, 2**31 - 1, (self.size,), generator=g)
+        mine = order[: len(self) * self.world_size][self.rank :: self.world_size]
+        start = 0
+        if self.epoch == self.resume_epoch:
+            start, self.resume_epoch = self.resume_batches * self.batch_size, -1
+        for i in mine[start:].tolist():
+            yield i, bool(drop[i]), int(augment_seeds[i])
+
+
+class _Indexed(Dataset):
+    """Index with the sampler's tuples: the example (seeded if the dataset has `get(index, seed)`),
+    its caption emptied when asked."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, bool, int]) -> dict:
+        index, drop, seed = item
+        get = getattr(self.dataset, "get", None)
+        example = dict(get(index, seed) if callable(get) else self.dataset[index])
+        if drop:
+            example["caption"] = ""
+        return example
+
+
+class _LatentCache(Dataset):
+    """Examples whose images were encoded once to latents."""
+
+    def __init__(self, latents: torch.Tensor, captions: list[str]) -> None:
+        self.latents, self.captions = latents, captions
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"latents": self.latents[index], "caption": self.captions[index]}
+
+
+class DataModule(pl.LightningDataModule):
+    """Serve a dataset of `{pixel_values, caption}` examples to `LatentDiffusion`, resumably."""
+
+    def __init__(
+        self,
+        dataset: TargetSpec | Dataset,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        caption_dropout: float = 0.0,
+        cache_latents: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= caption_dropout <= 1.0:
+            raise ValueError(f"data.params.caption_dropout must be in [0, 1], got {caption_dropout}")
+        if batch_size < 1:
+            raise ValueError(f"data.params.batch_size must be at least 1, got {batch_size}")
+        self.dataset_spec = dataset
+        self.batch_size, self.num_workers, self.shuffle, self.seed = batch_size, num_workers, shuffle, seed
+        self.caption_dropout, self.cache_latents = caption_dropout, cache_latents
+        self.dataset: Dataset | None = None
+        self.sampler: ResumableSampler | None = None
+        self._resume: dict | None = None
+
+    def build_dataset(self) -> Dataset:
+        spec = self.dataset_spec
+        return instantiate(spec, "data.params.dataset") if isinstance(spec, dict) else spec
+
+    def setup(self, stage: str) -> None:
+        if self.dataset is not None:
+            return
+        dataset = self.build_dataset()
+        if len(dataset) == 0:
+            raise ValueError("data: the dataset is empty; check data.params (root, files, captions)")
+        if self.cache_latents:
+            dataset = self._encode_all(dataset)
+        self.dataset = dataset
+
+    @torch.no_grad()
+    def _encode_all(self, dataset: Dataset) -> Dataset:
+        model = self.trainer.lightning_module
+        loader = DataLoader(dataset, batch_size=max(self.batch_size, 32), num_workers=self.num_workers)
+        latents, captions = [], []
+        for batch in loader:
+            latents.append(model.encode_images(batch["pixel_values"]).cpu())
+            captions.extend(batch["caption"])
+        log.info("cache_latents: encoded %d images once with the model's VAE", len(captions))
+        return _LatentCache(torch.cat(latents), captions)
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        self.sampler = ResumableSampler(
+            len(self.dataset),
+            self.batch_size,
+            self.shuffle,
+            self.seed,
+            self.caption_dropout,
+            trainer.global_rank if trainer else 0,
+            trainer.world_size if trainer else 1,
+        )
+        batches_per_epoch = -(-len(self.sampler) // self.batch_size)
+        if self._resume and self._resume["batches_done"] < batches_per_epoch:
+            self.sampler.resume(self._resume["epoch"], self._resume["batches_done"])
+        return DataLoader(
+            _Indexed(self.dataset),
+            batch_size=self.batch_size,
+            sampler=self.sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position: the epoch and how many of its batches this run has consumed."""
+        loop = self.trainer.fit_loop
+        batches_done = loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": loop.epoch_progress.current.completed, "batches_done": batches_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = dict(state)

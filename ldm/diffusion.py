@@ -1,0 +1,67 @@
+"""Diffusion training math as pure functions of `alphas_cumprod` (DDPM, Ho et al. 2020).
+
+They work for any noise schedule, need no scheduler object, and are tested against diffusers'
+`add_noise`, `get_velocity` and `training_utils.compute_snr`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+def _gather(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    a = alphas_cumprod.to(device=like.device, dtype=torch.float32)[timesteps.to(like.device)]
+    return a.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def add_noise(
+    x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
+) -> torch.Tensor:
+    """Sample q(x_t | x_0) = sqrt(a_t) x_0 + sqrt(1 - a_t) noise (DDPM eq. 4)."""
+    a = _gather(alphas_cumprod, timesteps, x0)
+    return (a.sqrt() * x0.float() + (1 - a).sqrt() * noise.float()).to(x0.dtype)
+
+
+def velocity(
+    x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
+) -> torch.Tensor:
+    """The v-prediction target v = sqrt(a_t) noise - sqrt(1 - a_t) x_0 (Salimans & Ho 2022, sec. 4)."""
+    a = _gather(alphas_cumprod, timesteps, x0)
+    return (a.sqrt() * noise.float() - (1 - a).sqrt() * x0.float()).to(x0.dtype)
+
+
+def training_target(
+    x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor, prediction_type: str
+) -> torch.Tensor:
+    """What the denoiser should output for `prediction_type`: the noise, or the velocity."""
+    if prediction_type == "epsilon":
+        return noise
+    if prediction_type == "v_prediction":
+        return velocity(x0, noise, timesteps, alphas_cumprod)
+    raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+
+
+def snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio a_t / (1 - a_t) of each timestep."""
+    a = alphas_cumprod.to(torch.float32)[timesteps.to(alphas_cumprod.device)]
+    return a / (1 - a)
+
+
+def min_snr_weights(
+    timesteps: torch.Tensor, alphas_cumprod: torch.Tensor, gamma: float, prediction_type: str
+) -> torch.Tensor:
+    """Per-sample loss weights of Min-SNR-gamma (Hang et al. 2023, eq. 9) for the given target."""
+    s = snr(timesteps, alphas_cumprod)
+    clipped = torch.minimum(s, torch.full_like(s, gamma))
+    return clipped / (s + 1) if prediction_type == "v_prediction" else clipped / s
+
+
+def diffusion_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error per sample, optionally weighted per sample, averaged over the batch."""
+    per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").flatten(1).mean(1)
+    if weights is not None:
+        per_sample = per_sample * weights.to(per_sample)
+    return per_sample.mean()

@@ -1,0 +1,139 @@
+"""`LatentDiffusion`: the training system for latent text-to-image diffusion (Rombach et al. 2022).
+
+The networks are library classes passed in (or described by config and built by
+`ldm.models.parts`); the math is in `ldm.diffusion`; side concerns are callbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from ldm import diffusion
+from ldm.config import ConfigError, ExistingPath, import_target, supplied
+from ldm.models.parts import Parts, PartSpec, build_parts
+
+
+class LatentDiffusion(pl.LightningModule):
+    """Train a UNet (and optionally the text encoder) to denoise VAE latents given caption embeddings."""
+
+    def __init__(
+        self,
+        pretrained: ExistingPath | None = None,
+        unet: PartSpec | torch.nn.Module | None = None,
+        vae: PartSpec | torch.nn.Module | None = None,
+        text_encoder: PartSpec | torch.nn.Module | None = None,
+        tokenizer: PartSpec | Any = None,
+        scheduler: PartSpec | Any = None,
+        trainable: Sequence[Literal["unet", "text_encoder"]] = ("unet",),
+        prediction_type: Literal["epsilon", "v_prediction"] | None = None,
+        learning_rate: float = 1e-4,
+        optimizer: supplied("params", "lr") | None = None,
+        lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
+        lr_warmup_steps: int = 0,
+        snr_gamma: float | None = None,
+    ) -> None:
+        super().__init__()
+        parts = build_parts(
+            pretrained, unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler
+        )
+        self.unet, self.vae, self.text_encoder = parts.unet, parts.vae, parts.text_encoder
+        self.tokenizer, self.noise_scheduler = parts.tokenizer, parts.scheduler
+        self.prediction_type = _resolve_prediction_type(parts.scheduler, prediction_type, pretrained, scheduler)
+        self.trainable = tuple(dict.fromkeys(trainable))
+        for name in ("unet", "vae", "text_encoder"):
+            getattr(self, name).requires_grad_(name in self.trainable)
+        self.register_buffer(
+            "alphas_cumprod", torch.as_tensor(parts.scheduler.alphas_cumprod, dtype=torch.float32), persistent=False
+        )
+        self.learning_rate, self.lr_schedule, self.lr_warmup_steps = learning_rate, lr_schedule, lr_warmup_steps
+        self.optimizer_spec = optimizer or {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
+        self.snr_gamma = snr_gamma
+        self.run_config: dict | None = None  # the resolved config, set by ldm.run and saved in checkpoints
+
+    @property
+    def parts(self) -> Parts:
+        return Parts(self.unet, self.vae, self.text_encoder, self.tokenizer, self.noise_scheduler)
+
+    @property
+    def latent_scale(self) -> float:
+        return float(self.vae.config.scaling_factor)
+
+    def train(self, mode: bool = True) -> LatentDiffusion:
+        """Switch to train mode, keeping frozen parts in eval mode."""
+        super().train(mode)
+        for name in ("unet", "vae", "text_encoder"):
+            if name not in self.trainable:
+                getattr(self, name).eval()
+        return self
+
+    @torch.no_grad()
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] to scaled latents (the posterior mean times the VAE's scaling factor)."""
+        latents = self.vae.encode(pixel_values.to(self.device, self.vae.dtype)).latent_dist.mean
+        return latents * self.latent_scale
+
+    def encode_text(self, captions: Sequence[str]) -> torch.Tensor:
+        """Captions to the text encoder's last hidden states, padded to the tokenizer's length."""
+        ids = self.tokenizer(
+            list(captions),
+            padding="max_length",
+            max_length=self.tokenizer.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids.to(self.device)
+        with torch.set_grad_enabled("text_encoder" in self.trainable and self.training):
+            return self.text_encoder(ids)[0]
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        latents = batch["latents"] if "latents" in batch else self.encode_images(batch["pixel_values"])
+        cond = self.encode_text(batch["caption"])
+        noise = torch.randn_like(latents)
+        t = torch.randint(0, len(self.alphas_cumprod), (latents.shape[0],), device=latents.device)
+        noisy = diffusion.add_noise(latents, noise, t, self.alphas_cumprod)
+        prediction = self.unet(noisy, t, encoder_hidden_states=cond).sample
+        target = diffusion.training_target(latents, noise, t, self.alphas_cumprod, self.prediction_type)
+        weights = None
+        if self.snr_gamma is not None:
+            weights = diffusion.min_snr_weights(t, self.alphas_cumprod, self.snr_gamma, self.prediction_type)
+        loss = diffusion.diffusion_loss(prediction, target, weights)
+        self.log("train/loss", loss, prog_bar=True, batch_size=latents.shape[0])
+        return loss
+
+    def configure_optimizers(self) -> dict:
+        from diffusers.optimization import get_scheduler
+
+        params = [p for name in self.trainable for p in getattr(self, name).parameters()]
+        spec = self.optimizer_spec
+        optimizer_cls = import_target(spec["target"], "model.params.optimizer.target")
+        optimizer = optimizer_cls(params, lr=self.learning_rate, **(spec.get("params") or {}))
+        total = self.trainer.estimated_stepping_batches if self.lr_schedule != "constant" else None
+        name = "constant_with_warmup" if self.lr_schedule == "constant" else self.lr_schedule
+        schedule = get_scheduler(
+            name, optimizer, num_warmup_steps=self.lr_warmup_steps, num_training_steps=int(total or 0)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the resolved config and every part's own config, so a checkpoint is self-contained."""
+        from ldm.checkpoint import describe_parts
+
+        checkpoint["ldm"] = {"config": self.run_config, "parts": describe_parts(self.parts)}
+
+
+def _resolve_prediction_type(scheduler: Any, requested: str | None, pretrained: str | None, spec: Any) -> str:
+    """The scheduler's prediction type; a config value may set it only where it does not contradict it."""
+    configured = scheduler.config.get("prediction_type", "epsilon")
+    from_weights = pretrained is not None and spec is None or isinstance(spec, dict) and "pretrained" in spec
+    if requested is None or requested == configured:
+        return configured
+    if from_weights:
+        raise ConfigError(
+            f"model.params.prediction_type: {requested!r} contradicts the pretrained scheduler's "
+            f"prediction_type {configured!r}; remove the key (it follows the weights)"
+        )
+    scheduler.register_to_config(prediction_type=requested)
+    return requested

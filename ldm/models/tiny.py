@@ -1,0 +1,76 @@
+"""Tiny Stable-Diffusion-shaped models with random weights, for tests and for trying the fine-tune path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from ldm.tokenizers import VOCAB_SIZE, write_clip_tokenizer
+
+TINY_UNET = dict(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    block_out_channels=(16, 32),
+    layers_per_block=1,
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32,
+    attention_head_dim=2,
+    norm_num_groups=8,
+)
+TINY_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    block_out_channels=(8, 16),
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    layers_per_block=1,
+    norm_num_groups=4,
+    sample_size=16,
+)
+TINY_TEXT_ENCODER = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=77,
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=49407,
+)
+# The noise schedule of SD 1.x / 2.x.
+SD_SCHEDULE = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    skip_prk_steps=True,
+    steps_offset=1,
+    set_alpha_to_one=False,
+)
+
+
+def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
+    """Write a tiny SD-shaped diffusers pipeline folder (16 px images, 4x8x8 latents) with random weights."""
+    import torch
+
+    torch.manual_seed(seed)
+    out_dir = Path(out_dir)
+    write_clip_tokenizer(out_dir / "tokenizer")
+    pipe = StableDiffusionPipeline(
+        vae=AutoencoderKL(**TINY_VAE),
+        text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)),
+        tokenizer=CLIPTokenizer.from_pretrained(out_dir / "tokenizer"),
+        unet=UNet2DConditionModel(**TINY_UNET),
+        scheduler=PNDMScheduler(**SD_SCHEDULE, prediction_type=prediction_type),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

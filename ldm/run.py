@@ -1,0 +1,141 @@
+"""Assemble and run training from a config: the run folder, model, data, callbacks, loggers, Trainer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ldm.config import ConfigError, Sources, check_config, import_target, instantiate, load_config, to_plain
+
+log = logging.getLogger("ldm")
+
+DEFAULT_CHECKPOINT = {"save_last": True, "save_top_k": 0, "every_n_train_steps": 500}
+
+
+@dataclass
+class Resume:
+    """Where a resumed run lives and which checkpoint it continues from."""
+
+    run_dir: Path
+    ckpt: Path
+
+
+def find_resume(resume: str, logdir: Path, name: str | None) -> Resume | None:
+    """Resolve `-r PATH|auto`: a checkpoint file, a run folder, or the newest run named `name`."""
+    if resume == "auto":
+        if not name:
+            raise ConfigError("-r auto needs -n NAME to know which run to continue")
+        runs = sorted(p for p in logdir.glob(f"*_{name}") if (p / "checkpoints" / "last.ckpt").is_file())
+        if not runs:
+            log.info("-r auto: no run named %r with a checkpoint in %s; starting fresh", name, logdir)
+            return None
+        log.info("-r auto: resuming %s", runs[-1] / "checkpoints" / "last.ckpt")
+        return Resume(runs[-1], runs[-1] / "checkpoints" / "last.ckpt")
+    path = Path(resume)
+    if path.is_file():
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return Resume(run_dir, path)
+    if path.is_dir() and (path / "checkpoints" / "last.ckpt").is_file():
+        return Resume(path, path / "checkpoints" / "last.ckpt")
+    raise ConfigError(f"-r {resume}: neither a checkpoint file nor a run folder with checkpoints/last.ckpt")
+
+
+def prepare_config(bases: list[str], overrides: list[str], resume: Resume | None) -> tuple[DictConfig, Sources]:
+    """Load and check the config: `-b` files (or the resumed run's saved config), then overrides."""
+    if not bases:
+        if resume is None:
+            raise ConfigError("no config: pass -b CONFIG.yaml (or -r to continue a run)")
+        bases = [str(resume.run_dir / "configs" / "project.yaml")]
+    cfg, sources = load_config(bases, overrides)
+    check_config(cfg, sources)
+    data_cls = import_target(cfg.data.target, "data.target")
+    if not (isinstance(data_cls, type) and issubclass(data_cls, pl.LightningDataModule)):
+        raise ConfigError(
+            f"data.target ({sources.where('data.target')}): {cfg.data.target} is not a LightningDataModule; "
+            "put a Dataset under data.params.dataset with data.target: ldm.data.DataModule"
+        )
+    return cfg, sources
+
+
+def auto_precision() -> str:
+    """Mixed precision where the hardware has it: bf16 or fp16 on CUDA, full precision on a CPU."""
+    if torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.Trainer:
+    """A Trainer with checkpoints, TensorBoard + CSV logs and the configured callbacks."""
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    lightning_cfg = cfg.get("lightning") or OmegaConf.create()
+    trainer_kwargs = to_plain(lightning_cfg.get("trainer") or {})
+    strategy = trainer_kwargs.get("strategy")
+    if isinstance(strategy, dict):
+        trainer_kwargs["strategy"] = instantiate(strategy, "lightning.trainer.strategy")
+    trainer_kwargs.setdefault("precision", auto_precision())
+    trainer_kwargs.setdefault("use_distributed_sampler", not uses_our_sampler)
+    checkpoint_params = {
+        **DEFAULT_CHECKPOINT,
+        **to_plain((lightning_cfg.get("modelcheckpoint") or {}).get("params") or {}),
+    }
+    callbacks = [
+        ModelCheckpoint(dirpath=run_dir / "checkpoints", **checkpoint_params),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    for name, node in (lightning_cfg.get("callbacks") or {}).items():
+        callbacks.append(instantiate(node, f"lightning.callbacks.{name}"))
+    loggers = [
+        TensorBoardLogger(run_dir, name="", version="tensorboard"),
+        CSVLogger(run_dir, name="", version="csv"),
+    ]
+    return pl.Trainer(default_root_dir=run_dir, callbacks=callbacks, logger=loggers, **trainer_kwargs)
+
+
+def _log_to_file(run_dir: Path) -> None:
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("ldm", "lightning.pytorch"):
+        logging.getLogger(name).addHandler(handler)
+
+
+def train(
+    bases: list[str],
+    overrides: list[str] = (),
+    logdir: str | Path = "logs",
+    name: str | None = None,
+    seed: int = 23,
+    resume: str | None = None,
+) -> Path:
+    """Train from configs; returns the run folder, which holds `checkpoints/last.ckpt`."""
+    logdir = Path(logdir)
+    resumed = find_resume(resume, logdir, name) if resume else None
+    cfg, _ = prepare_config(list(bases), list(overrides), resumed)
+    if resumed:
+        run_dir = resumed.run_dir
+    else:
+        name = name or Path(bases[0]).stem
+        run_dir = logdir / f"{time.strftime('%Y-%m-%dT%H-%M-%S')}_{name}"
+    (run_dir / "configs").mkdir(parents=True, exist_ok=True)
+    _log_to_file(run_dir)
+    pl.seed_everything(seed, workers=True)
+
+    model = instantiate(cfg.model, "model")
+    model.run_config = to_plain(cfg)
+    datamodule = instantiate(cfg.data, "data")
+    from ldm.data import DataModule
+
+    trainer = build_trainer(cfg, run_dir, uses_our_sampler=isinstance(datamodule, DataModule))
+    if trainer.is_global_zero:
+        OmegaConf.save(cfg, run_dir / "configs" / "project.yaml")
+        log.info("run folder: %s", run_dir)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None)
+    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    return run_dir

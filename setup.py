@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ldm",
+    version="0.1.0",
+    description="Cheap fine-tuning and pretraining of latent text-to-image diffusion models",
+    packages=find_packages(include=["ldm", "ldm.*"]),
+    python_requires=">=3.10",
+    # Ranges wide enough for both the newest stack and Colossal-AI's pins
+    # (torch<=2.5.1, diffusers==0.29.0, transformers==4.51.3, peft<=0.13.2).
+    install_requires=[
+        "torch>=2.5",
+        "lightning>=2.2",
+        "diffusers>=0.29",
+        "transformers>=4.51",
+        "accelerate>=0.30",
+        "omegaconf>=2.3",
+        "safetensors>=0.4",
+        "pillow>=10",
+        "numpy>=1.24",
+        "scikit-learn>=1.3",
+        "tensorboard>=2.14",
+    ],
+    extras_require={
+        "colossalai": ["colossalai>=0.4.5"],
+        "xformers": ["xformers>=0.0.27"],
+        "dev": ["pytest>=8", "ruff>=0.6"],
+    },
+)
