@@ -20,7 +20,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default: 23)")
     parser.add_argument("-r", "--resume", default=None, metavar="PATH|auto", help="continue a run or checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides; win over files")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before or after flags
 
 
 def main(argv: list[str] | None = None) -> int:

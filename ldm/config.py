@@ -26,11 +26,6 @@ ExistingPath = NewType("ExistingPath", str)
 TOP_LEVEL_KEYS = ("model", "data", "lightning")
 LIGHTNING_KEYS = ("trainer", "callbacks", "modelcheckpoint")
 
-# Targets that old CompVis / Colossal-AI configs name, mapped to where they live now.
-TARGET_ALIASES = {
-    "ldm.data.base.Txt2ImgIterableBaseDataset": "ldm.data.DataModule",
-}
-
 
 class ConfigError(ValueError):
     """A user mistake in a config file or a command-line override."""
@@ -66,6 +61,7 @@ class Sources:
 
     def where(self, key: str) -> str:
         """The last source that set `key` or one of its parents/children."""
+        key = key.split("[")[0]
         for name, keys in reversed(self.layers):
             if any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys):
                 return name
@@ -135,6 +131,8 @@ def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
     for section in ("model", "data"):
         if section not in cfg:
             raise ConfigError(f"{section}: missing section; every config needs `{section}: {{target, params}}`")
+        if section == "data" and isinstance(cfg.data, Mapping) and "target" in cfg.data:
+            _check_datamodule(cfg.data.target, sources)
         check_target_node(cfg[section], section, sources)
     lightning = cfg.get("lightning") or {}
     if not isinstance(lightning, Mapping):
@@ -169,6 +167,19 @@ def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
         _fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
 
 
+def _check_datamodule(target: str, sources: Sources) -> None:
+    from lightning.pytorch import LightningDataModule
+
+    cls = import_target(target, "data.target", sources)
+    if not (isinstance(cls, type) and issubclass(cls, LightningDataModule)):
+        _fail(
+            sources,
+            "data.target",
+            f"{target} is not a LightningDataModule; put a Dataset under "
+            "data.params.dataset and set data.target: ldm.data.DataModule",
+        )
+
+
 def _trainer_signature() -> inspect.Signature:
     from lightning.pytorch import Trainer
 
@@ -177,7 +188,6 @@ def _trainer_signature() -> inspect.Signature:
 
 def import_target(path: str, key: str = "target", sources: Sources | None = None) -> Any:
     """Import `package.module.Name`; a bad path is a `ConfigError` naming the key."""
-    path = TARGET_ALIASES.get(path, path)
     module_name, _, attr = str(path).rpartition(".")
     if not module_name:
         _fail(sources, key, f"target {path!r} must be a dotted path like package.module.Class")

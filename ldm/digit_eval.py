@@ -54,6 +54,7 @@ def _augment(x: Tensor, gen: torch.Generator) -> Tensor:
     return (x + noise).clamp(-1, 1)
 
 
+@torch.enable_grad()
 def train_digit_classifier(seed: int = 0, epochs: int = 10, batch_size: int = 64) -> nn.Module:
     """Train the digit CNN on the `train` split with light augmentation; return it in eval mode."""
     gen = torch.Generator().manual_seed(seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ldm.config import ConfigError, Sources, check_config, import_target, instantiate, load_config, to_plain
+from ldm.callbacks.throughput import Throughput
+from ldm.config import ConfigError, Sources, check_config, instantiate, load_config, to_plain
 
 log = logging.getLogger("ldm")
 
@@ -54,13 +56,24 @@ def prepare_config(bases: list[str], overrides: list[str], resume: Resume | None
         bases = [str(resume.run_dir / "configs" / "project.yaml")]
     cfg, sources = load_config(bases, overrides)
     check_config(cfg, sources)
-    data_cls = import_target(cfg.data.target, "data.target")
-    if not (isinstance(data_cls, type) and issubclass(data_cls, pl.LightningDataModule)):
-        raise ConfigError(
-            f"data.target ({sources.where('data.target')}): {cfg.data.target} is not a LightningDataModule; "
-            "put a Dataset under data.params.dataset with data.target: ldm.data.DataModule"
-        )
     return cfg, sources
+
+
+class FinalCheckpoint(pl.Callback):
+    """Save `last.ckpt` when training ends: at the last step's batch end, so a resume with a
+    larger `max_steps` continues mid-epoch exactly; or at the end of the last epoch."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._saved_step = path, -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step and self._saved_step != trainer.global_step:
+            trainer.save_checkpoint(self.path)
+            self._saved_step = trainer.global_step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._saved_step != trainer.global_step:
+            trainer.save_checkpoint(self.path)
 
 
 def auto_precision() -> str:
@@ -88,13 +101,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
     }
     callbacks = [
         ModelCheckpoint(dirpath=run_dir / "checkpoints", **checkpoint_params),
+        FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"),
         LearningRateMonitor(logging_interval="step"),
+        Throughput(),
     ]
     for name, node in (lightning_cfg.get("callbacks") or {}).items():
         callbacks.append(instantiate(node, f"lightning.callbacks.{name}"))
     loggers = [
         TensorBoardLogger(run_dir, name="", version="tensorboard"),
-        CSVLogger(run_dir, name="", version="csv"),
+        CSVLogger(run_dir, name="csv", version=time.strftime("%Y-%m-%dT%H-%M-%S")),  # one file per launch
     ]
     return pl.Trainer(default_root_dir=run_dir, callbacks=callbacks, logger=loggers, **trainer_kwargs)
 
@@ -136,6 +151,8 @@ def train(
     if trainer.is_global_zero:
         OmegaConf.save(cfg, run_dir / "configs" / "project.yaml")
         log.info("run folder: %s", run_dir)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None)
-    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    with warnings.catch_warnings():
+        # Frozen parts (VAE, text encoder) are kept in eval mode on purpose; Lightning warns about it.
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None)
     return run_dir

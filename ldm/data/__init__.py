@@ -88,6 +88,26 @@ class _LatentCache(Dataset):
         return {"latents": self.latents[index], "caption": self.captions[index]}
 
 
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose position Lightning stores in checkpoints and restores on resume.
+
+    Lightning saves `state_dict()` of loaders that have one and calls `load_state_dict` on the
+    new loader before iterating it. `position` reports the epoch and how many of its batches the
+    trainer has consumed (prefetched batches are not counted).
+    """
+
+    def __init__(self, *args: Any, position: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = position
+
+    def state_dict(self) -> dict[str, int]:
+        return self.position()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["batches_done"] < len(self):
+            self.sampler.resume(state["epoch"], state["batches_done"])
+
+
 class DataModule(pl.LightningDataModule):
     """Serve a dataset of `{pixel_values, caption}` examples to `LatentDiffusion`, resumably."""
 
@@ -110,8 +130,6 @@ class DataModule(pl.LightningDataModule):
         self.batch_size, self.num_workers, self.shuffle, self.seed = batch_size, num_workers, shuffle, seed
         self.caption_dropout, self.cache_latents = caption_dropout, cache_latents
         self.dataset: Dataset | None = None
-        self.sampler: ResumableSampler | None = None
-        self._resume: dict | None = None
 
     def build_dataset(self) -> Dataset:
         spec = self.dataset_spec
@@ -140,7 +158,7 @@ class DataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
-        self.sampler = ResumableSampler(
+        sampler = ResumableSampler(
             len(self.dataset),
             self.batch_size,
             self.shuffle,
@@ -149,22 +167,19 @@ class DataModule(pl.LightningDataModule):
             trainer.global_rank if trainer else 0,
             trainer.world_size if trainer else 1,
         )
-        batches_per_epoch = -(-len(self.sampler) // self.batch_size)
-        if self._resume and self._resume["batches_done"] < batches_per_epoch:
-            self.sampler.resume(self._resume["epoch"], self._resume["batches_done"])
-        return DataLoader(
+        return ResumableDataLoader(
             _Indexed(self.dataset),
             batch_size=self.batch_size,
-            sampler=self.sampler,
+            sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            position=self._position,
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """The data position: the epoch and how many of its batches this run has consumed."""
+    def _position(self) -> dict[str, int]:
+        """The epoch and how many of its batches the trainer has consumed."""
         loop = self.trainer.fit_loop
-        batches_done = loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": loop.epoch_progress.current.completed, "batches_done": batches_done}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resume = dict(state)
+        return {
+            "epoch": loop.epoch_progress.current.completed,
+            "batches_done": loop.epoch_loop.batch_progress.current.processed,
+        }

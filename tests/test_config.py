@@ -1,0 +1,124 @@
+"""Config mistakes fail before anything is built, in one line naming the key path and the file."""
+
+from pathlib import Path
+
+import pytest
+
+from ldm.config import ConfigError, check_config, load_config
+from main import main
+
+REPO = Path(__file__).resolve().parents[1]
+SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
+
+
+def check(files, overrides=()):
+    cfg, sources = load_config(files, overrides)
+    check_config(cfg, sources)
+    return cfg
+
+
+@pytest.fixture
+def valid(tiny_sd, image_folder):
+    return [f"model.params.pretrained={tiny_sd}", f"data.params.root={image_folder}"]
+
+
+def test_shipped_config_is_valid_with_the_documented_overrides(valid):
+    cfg = check(
+        [SD_FOLDER], valid + ["data.params.size=64", "data.params.batch_size=3", "lightning.trainer.max_steps=7"]
+    )
+    assert cfg.data.params.size == 64 and cfg.data.params.batch_size == 3 and cfg.lightning.trainer.max_steps == 7
+
+
+def test_later_files_and_overrides_win(tmp_path, valid):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("model:\n  params:\n    learning_rate: 0.5\ndata:\n  params:\n    size: 32\n")
+    cfg = check([SD_FOLDER, extra], valid + ["data.params.size=48"])
+    assert cfg.model.params.learning_rate == 0.5 and cfg.data.params.size == 48
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "model.params.learnin_rate=1",
+            r"^model\.params\.learnin_rate \(command line\): unknown parameter; valid: .*learning_rate",
+        ),
+        (
+            "model.params.learning_rate=fast",
+            r"^model\.params\.learning_rate \(command line\): expected float, got str 'fast'",
+        ),
+        (
+            "model.params.lr_schedule=cosin",
+            r"^model\.params\.lr_schedule \(command line\): got str 'cosin'; valid: 'constant', 'linear', 'cosine'",
+        ),
+        ("model.params.trainable=[unet,vae]", r"^model\.params\.trainable\[1\] \(command line\): got str 'vae'"),
+        (
+            "model.params.pretrained=/no/such/sd",
+            r"^model\.params\.pretrained \(command line\): no such file or folder: /no/such/sd",
+        ),
+        ("data.params.root=/no/such/images", r"^data\.params\.root \(command line\): no such file or folder"),
+        ("data.params.batch_size=2.5", r"^data\.params\.batch_size \(command line\): expected int, got float 2\.5"),
+        (
+            "model.target=ldm.models.nothing.Here",
+            r"^model\.target \(command line\): cannot import 'ldm\.models\.nothing\.Here'",
+        ),
+        (
+            "model.params.optimizer.target=torch.optim.Adamm",
+            r"optimizer\.target \(command line\): cannot import.*no 'Adamm'",
+        ),
+        ("model.params.optimizer.params.lr=0.1", r"optimizer\.params\.lr \(command line\): is set by the code"),
+        (
+            "model.params.unet.confg={}",
+            r"^model\.params\.unet\.confg \(command line\): unknown key; valid: target, pretrained",
+        ),
+        ("lightning.trainer.max_step=3", r"^lightning\.trainer\.max_step \(command line\): unknown parameter"),
+        ("lightning.trainer.max_steps=ten", r"^lightning\.trainer\.max_steps \(command line\): expected int"),
+        (
+            "lightning.callbacks.ema.params.decai=0.9",
+            r"^lightning\.callbacks\.ema\.params\.decai \(command line\): unknown",
+        ),
+        ("lightning.modelcheckpoint.params.every_n_train_step=3", r"every_n_train_step \(command line\): unknown"),
+        ("trainer.max_steps=3", r"^trainer \(command line\): unknown section; valid sections: model, data, lightning"),
+    ],
+)
+def test_mistakes_name_key_and_source(valid, override, message):
+    with pytest.raises(ConfigError, match=message):
+        check([SD_FOLDER], valid + [override])
+
+
+def test_mistake_in_a_file_names_the_file(tmp_path, valid):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  params:\n    snr_gama: 5\n")
+    with pytest.raises(ConfigError, match=rf"^model\.params\.snr_gama \({bad}\): unknown parameter"):
+        check([SD_FOLDER, bad], valid)
+
+
+def test_unset_required_value(image_folder):
+    with pytest.raises(ConfigError, match=r"^model\.params\.pretrained \(.*sd-folder\.yaml\): required value"):
+        check([SD_FOLDER], [f"data.params.root={image_folder}"])
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}: not valid YAML"):
+        load_config([bad])
+    with pytest.raises(ConfigError, match="config file not found: /no/such.yaml"):
+        load_config(["/no/such.yaml"])
+    with pytest.raises(ConfigError, match="must look like key.path=value"):
+        load_config([SD_FOLDER], ["model.params.pretrained"])
+
+
+def test_data_target_must_be_a_datamodule(valid):
+    with pytest.raises(
+        ConfigError, match=r"^data\.target \(command line\): ldm.data.digits.DigitsDataset is not a Lightning"
+    ):
+        check([SD_FOLDER], valid + ["data.target=ldm.data.digits.DigitsDataset"])
+
+
+def test_main_prints_one_line_and_exits_2(capsys, valid, tmp_path):
+    code = main(["-t", "-b", str(SD_FOLDER), "-l", str(tmp_path), *valid, "model.params.snr_gamma=high"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == ["config error: model.params.snr_gamma (command line): expected float or null, got str 'high'"]
+    assert not list(tmp_path.iterdir()), "nothing is written when the config is invalid"

@@ -1,0 +1,67 @@
+"""The diffusion math in `ldm.diffusion` agrees with diffusers' own implementations."""
+
+import pytest
+import torch
+from diffusers import DDPMScheduler
+from diffusers.training_utils import compute_snr
+
+from ldm import diffusion
+
+
+@pytest.fixture
+def scheduler():
+    return DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, num_train_timesteps=1000)
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(6, 4, 8, 8, generator=g)
+    noise = torch.randn(6, 4, 8, 8, generator=g)
+    t = torch.tensor([0, 1, 250, 500, 998, 999])
+    return x0, noise, t
+
+
+def test_add_noise_matches_diffusers(scheduler, batch):
+    x0, noise, t = batch
+    ours = diffusion.add_noise(x0, noise, t, scheduler.alphas_cumprod)
+    torch.testing.assert_close(ours, scheduler.add_noise(x0, noise, t), rtol=1e-5, atol=1e-6)
+
+
+def test_velocity_matches_diffusers(scheduler, batch):
+    x0, noise, t = batch
+    ours = diffusion.velocity(x0, noise, t, scheduler.alphas_cumprod)
+    torch.testing.assert_close(ours, scheduler.get_velocity(x0, noise, t), rtol=1e-5, atol=1e-6)
+
+
+def test_snr_matches_diffusers(scheduler, batch):
+    _, _, t = batch
+    torch.testing.assert_close(diffusion.snr(t, scheduler.alphas_cumprod), compute_snr(scheduler, t), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_min_snr_weights_match_diffusers_recipe(scheduler, batch, prediction_type):
+    _, _, t = batch
+    s = compute_snr(scheduler, t)
+    expected = torch.stack([s, 5.0 * torch.ones_like(s)], dim=1).min(dim=1)[0]
+    expected = expected / (s + 1) if prediction_type == "v_prediction" else expected / s
+    ours = diffusion.min_snr_weights(t, scheduler.alphas_cumprod, 5.0, prediction_type)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=0)
+    assert ours[0] < ours[-1] if prediction_type == "epsilon" else True
+
+
+def test_training_target(scheduler, batch):
+    x0, noise, t = batch
+    a = scheduler.alphas_cumprod
+    assert diffusion.training_target(x0, noise, t, a, "epsilon") is noise
+    torch.testing.assert_close(
+        diffusion.training_target(x0, noise, t, a, "v_prediction"), diffusion.velocity(x0, noise, t, a)
+    )
+    with pytest.raises(ValueError, match="sample"):
+        diffusion.training_target(x0, noise, t, a, "sample")
+
+
+def test_diffusion_loss_weights():
+    pred, target = torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])
+    assert diffusion.diffusion_loss(pred, target).item() == pytest.approx(2.5)
+    assert diffusion.diffusion_loss(pred, target, torch.tensor([1.0, 0.0])).item() == pytest.approx(0.5)

@@ -1,0 +1,151 @@
+"""Fine-tune a tiny SD folder through main.py: checkpoint, resume, export, and load in diffusers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from safetensors.torch import load_file
+
+from ldm.checkpoint import load_checkpoint
+from ldm.config import ConfigError
+from main import main
+
+REPO = Path(__file__).resolve().parents[1]
+SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
+
+
+def args(tiny_sd, images, logdir, *extra):
+    return [
+        "-t", "-b", str(SD_FOLDER), "-l", str(logdir), "-n", "tiny", "-s", "1",
+        f"model.params.pretrained={tiny_sd}", f"data.params.root={images}", "data.params.size=16",
+        "data.params.batch_size=2", "data.params.num_workers=0", "lightning.trainer.max_steps=3",
+        "lightning.trainer.accumulate_grad_batches=1", "lightning.trainer.log_every_n_steps=1",
+        "model.params.learning_rate=1e-3",
+        "lightning.callbacks.image_logger.params.every_n_steps=2",
+        "lightning.callbacks.image_logger.params.num_inference_steps=2", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tiny_sd, image_folder, tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("logs")
+    assert main(args(tiny_sd, image_folder, logdir)) == 0
+    (run_dir,) = logdir.iterdir()
+    return run_dir
+
+
+def test_run_folder_layout(run):
+    assert run.name.endswith("_tiny")
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (run / "configs" / "project.yaml").is_file()
+    assert len(list((run / "csv").glob("*/metrics.csv"))) == 1
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "images" / "step_000002.png").is_file()
+
+
+def test_only_the_unet_changed(run, tiny_sd):
+    ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 3
+    state = ckpt["state_dict"]
+    for part, file in [
+        ("unet", "diffusion_pytorch_model"),
+        ("vae", "diffusion_pytorch_model"),
+        ("text_encoder", "model"),
+    ]:
+        before = load_file(tiny_sd / part / f"{file}.safetensors")
+        after = {k.removeprefix(f"{part}."): v for k, v in state.items() if k.startswith(f"{part}.")}
+        after = {k.removeprefix("text_model."): v for k, v in after.items()}
+        before = {k.removeprefix("text_model."): v for k, v in before.items()}
+        assert before.keys() == after.keys()
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        if part == "unet":
+            assert len(changed) > len(before) // 2, "most UNet tensors should have been trained"
+        else:
+            assert changed == [], f"frozen {part} changed: {changed[:3]}"
+    assert ckpt["ldm"]["config"]["data"]["params"]["size"] == 16
+    assert set(ckpt["ema_state_dict"]) == {k for k in state if k.startswith("unet.")}
+
+
+def test_export_loads_in_diffusers_with_exactly_the_trained_weights(run, tmp_path):
+    out = tmp_path / "pipe"
+    ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    for ema in (False, True):
+        from ldm.pipeline import export_pipeline
+
+        export_pipeline(run / "checkpoints" / "last.ckpt", out, ema=ema)
+        pipe = StableDiffusionPipeline.from_pretrained(out, local_files_only=True)
+        assert sorted(p.name for p in out.iterdir()) == [
+            "ldm_config.json", "model_index.json", "scheduler", "text_encoder", "tokenizer", "unet", "vae",
+        ]  # fmt: skip
+        source = ckpt["ema_state_dict"] if ema else ckpt["state_dict"]
+        for name, tensor in pipe.unet.state_dict().items():
+            assert torch.equal(tensor, source[f"unet.{name}"]), name
+        for name, tensor in pipe.vae.state_dict().items():
+            assert torch.equal(tensor, ckpt["state_dict"][f"vae.{name}"]), name
+    assert not torch.equal(ckpt["ema_state_dict"]["unet.conv_in.weight"], ckpt["state_dict"]["unet.conv_in.weight"])
+    assert pipe.tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    image = pipe("a photo of a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (16, 16)
+
+
+def test_export_script_and_txt2img(run, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "pipe"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    subprocess.run([sys.executable, REPO / "scripts" / "export_diffusers.py", "--ckpt", ckpt, "--out", out], check=True)
+    for model in (ckpt, out):
+        subprocess.run(
+            [sys.executable, REPO / "scripts" / "txt2img.py", "--model", model, "--prompt", "a cat",
+             "--prompt", "a dog", "--n", "2", "--steps", "2", "--outdir", tmp_path / "t2i"],
+            check=True,
+        )  # fmt: skip
+        assert len(list((tmp_path / "t2i").glob("0*_*.png"))) == 4
+    bad = subprocess.run([sys.executable, REPO / "scripts" / "export_diffusers.py", "--ckpt", tmp_path / "none.ckpt",
+                          "--out", out], capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode != 0 and "checkpoint not found" in bad.stderr
+
+
+def test_resume_continues_step_and_data_position(tiny_sd, image_folder, tmp_path):
+    logdir = tmp_path / "logs"
+    # 6 images, batch 2: 3 batches per epoch; stop after 4 steps, mid-way through epoch 1.
+    assert main(args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=4")) == 0
+    (run_dir,) = logdir.iterdir()
+    first = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert first["global_step"] == 4
+    assert first["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 1, "batches_done": 1}]
+    assert main(args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=6") + ["-r", "auto"]) == 0
+    assert len(list(logdir.iterdir())) == 1, "-r auto continues the same run folder"
+    second = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert second["global_step"] == 6
+    assert second["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 1, "batches_done": 3}]
+    assert second["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] == 6 - 1, (
+        "6 batches in all: the resumed run trained on the 2 batches left of epoch 1, not a fresh epoch"
+    )
+    assert len(list((run_dir / "csv").glob("*/metrics.csv"))) == 2, "each launch keeps its own metrics file"
+
+
+def test_resumed_run_sees_the_batches_an_unbroken_run_sees(tiny_sd, image_folder, tmp_path):
+    def captions(logdir, *extra):
+        record = tmp_path / f"{logdir}.jsonl"
+        rec = [
+            "lightning.callbacks.rec.target=tests.recorder.RecordCaptions",
+            f"lightning.callbacks.rec.params.path={record}",
+        ]
+        assert main(args(tiny_sd, image_folder, tmp_path / logdir, *extra, *rec)) == 0
+        return record.read_text().splitlines()
+
+    unbroken = captions("a", "lightning.trainer.max_steps=5")
+    assert len(captions("b", "lightning.trainer.max_steps=2")) == 2
+    interrupted = captions("b", "lightning.trainer.max_steps=5", "-r", "auto")  # appends to the same record
+    assert len(unbroken) == 5 and interrupted == unbroken
+
+
+def test_prediction_type_follows_the_weights(tiny_sd):
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    assert LatentDiffusion(pretrained=str(tiny_sd)).prediction_type == "epsilon"
+    with pytest.raises(ConfigError, match="contradicts the pretrained scheduler's prediction_type 'epsilon'"):
+        LatentDiffusion(pretrained=str(tiny_sd), prediction_type="v_prediction")
