@@ -100,10 +100,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
         **to_plain((lightning_cfg.get("modelcheckpoint") or {}).get("params") or {}),
     }
     callbacks = [
+        Throughput(),
         ModelCheckpoint(dirpath=run_dir / "checkpoints", **checkpoint_params),
         FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"),
         LearningRateMonitor(logging_interval="step"),
-        Throughput(),
     ]
     for name, node in (lightning_cfg.get("callbacks") or {}).items():
         callbacks.append(instantiate(node, f"lightning.callbacks.{name}"))

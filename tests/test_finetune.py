@@ -131,7 +131,7 @@ def test_resumed_run_sees_the_batches_an_unbroken_run_sees(tiny_sd, image_folder
     def captions(logdir, *extra):
         record = tmp_path / f"{logdir}.jsonl"
         rec = [
-            "lightning.callbacks.rec.target=tests.recorder.RecordCaptions",
+            "lightning.callbacks.rec.target=tests.helpers.RecordCaptions",
             f"lightning.callbacks.rec.params.path={record}",
         ]
         assert main(args(tiny_sd, image_folder, tmp_path / logdir, *extra, *rec)) == 0
@@ -149,3 +149,16 @@ def test_prediction_type_follows_the_weights(tiny_sd):
     assert LatentDiffusion(pretrained=str(tiny_sd)).prediction_type == "epsilon"
     with pytest.raises(ConfigError, match="contradicts the pretrained scheduler's prediction_type 'epsilon'"):
         LatentDiffusion(pretrained=str(tiny_sd), prediction_type="v_prediction")
+
+
+def test_a_users_own_datamodule_plugs_in_by_target(tiny_sd, tmp_path):
+    cfg = tmp_path / "user.yaml"
+    cfg.write_text(
+        f"model:\n  target: ldm.models.diffusion.ddpm.LatentDiffusion\n  params: {{pretrained: {tiny_sd}}}\n"
+        "data:\n  target: tests.helpers.UserDataModule\n  params: {size: 16, count: 4, batch_size: 2}\n"
+        "lightning:\n  trainer: {max_steps: 3}\n"
+    )
+    assert main(["-t", "-b", str(cfg), "-l", str(tmp_path / "logs")]) == 0
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    assert run_dir.name.endswith("_user")
+    assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 3
