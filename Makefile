@@ -6,7 +6,11 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup quickstart test lint format bench clean
+# The oldest stack we support: Colossal-AI 0.5's pins (torch<=2.5.1, diffusers 0.29, transformers 4.51).
+COMPAT := .venv-compat
+COMPAT_PINS := torch==2.5.1 diffusers==0.29.0 transformers==4.51.3 "peft<=0.13.2"
+
+.PHONY: setup quickstart test test-compat lint format bench clean
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +28,17 @@ quickstart: setup
 
 test: setup lint
 	$(PY) -m pytest
+
+$(COMPAT)/.installed: setup.py
+	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT)/bin/python -m pip install -q $(COMPAT_PINS) -e ".[dev]"
+	$(COMPAT)/bin/python -m pip install -q --no-deps open_clip_torch
+	touch $@
+
+# The suite again on the oldest supported stack (a 906 MB torch wheel; about 4 minutes to install).
+test-compat: $(COMPAT)/.installed
+	$(COMPAT)/bin/python -m pytest -p no:cacheprovider
 
 lint: setup
 	$(PY) -m ruff check .

@@ -116,3 +116,56 @@ def _tokenizer_from_config(cls: type, config: dict, key: str) -> Any:
     with tempfile.TemporaryDirectory() as tmp:
         write_clip_tokenizer(tmp, model_max_length=int(config.get("model_max_length", 77)))
         return cls.from_pretrained(tmp, local_files_only=True)
+
+
+ATTENTION = ("sdpa", "xformers", "math")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def set_attention(parts: Parts, attention: str, key: str = "model.params.attention") -> None:
+    """Choose the attention kernel of the UNet, VAE and text encoder.
+
+    `sdpa`: PyTorch's `scaled_dot_product_attention` (flash / memory-efficient kernels on CUDA);
+    `xformers`: xformers' memory-efficient attention (CUDA only); `math`: plain softmax(QK^T)V.
+    """
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    if attention == "xformers":
+        try:
+            parts.unet.enable_xformers_memory_efficient_attention()
+            parts.vae.enable_xformers_memory_efficient_attention()
+        except (ImportError, ModuleNotFoundError, NotImplementedError, ValueError, RuntimeError) as err:
+            raise ConfigError(
+                f"{key}: xformers is not usable here ({' '.join(str(err).split())[:200]}); "
+                "use sdpa (the same kernels through PyTorch) or install ldm[xformers] on CUDA"
+            ) from None
+        return
+    if attention not in ATTENTION:
+        raise ConfigError(f"{key}: got {attention!r}; valid: {', '.join(ATTENTION)}")
+    processor = AttnProcessor2_0 if attention == "sdpa" else AttnProcessor
+    parts.unet.set_attn_processor(processor())
+    parts.vae.set_attn_processor(processor())
+    if hasattr(parts.text_encoder, "set_attn_implementation"):
+        parts.text_encoder.set_attn_implementation("sdpa" if attention == "sdpa" else "eager")
+
+
+def prepare_for_training(
+    parts: Parts,
+    trainable: tuple[str, ...],
+    gradient_checkpointing: bool,
+    channels_last: bool,
+    frozen_dtype: str | None,
+) -> None:
+    """Freeze what does not train, and apply the memory options to the networks."""
+    for name in ("unet", "vae", "text_encoder"):
+        module = getattr(parts, name)
+        module.requires_grad_(name in trainable)
+        if name not in trainable and frozen_dtype is not None:
+            module.to(DTYPES[frozen_dtype])
+    if gradient_checkpointing:
+        parts.unet.enable_gradient_checkpointing()
+        if "text_encoder" in trainable:
+            parts.text_encoder.gradient_checkpointing_enable()
+    if channels_last:
+        parts.unet.to(memory_format=torch.channels_last)
+        parts.vae.to(memory_format=torch.channels_last)

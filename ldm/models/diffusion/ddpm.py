@@ -14,7 +14,7 @@ import torch
 
 from ldm import diffusion
 from ldm.config import ConfigError, ExistingPath, import_target, supplied
-from ldm.models.parts import Parts, PartSpec, build_parts
+from ldm.models.parts import Parts, PartSpec, build_parts, prepare_for_training, set_attention
 
 
 class LatentDiffusion(pl.LightningModule):
@@ -35,6 +35,10 @@ class LatentDiffusion(pl.LightningModule):
         lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
         lr_warmup_steps: int = 0,
         snr_gamma: float | None = None,
+        attention: Literal["sdpa", "xformers", "math"] = "sdpa",
+        gradient_checkpointing: bool = False,
+        channels_last: bool = False,
+        frozen_dtype: Literal["float32", "float16", "bfloat16"] | None = None,
     ) -> None:
         super().__init__()
         parts = build_parts(
@@ -44,8 +48,8 @@ class LatentDiffusion(pl.LightningModule):
         self.tokenizer, self.noise_scheduler = parts.tokenizer, parts.scheduler
         self.prediction_type = _resolve_prediction_type(parts.scheduler, prediction_type, pretrained, scheduler)
         self.trainable = tuple(dict.fromkeys(trainable))
-        for name in ("unet", "vae", "text_encoder"):
-            getattr(self, name).requires_grad_(name in self.trainable)
+        set_attention(parts, attention)
+        prepare_for_training(parts, self.trainable, gradient_checkpointing, channels_last, frozen_dtype)
         self.register_buffer(
             "alphas_cumprod", torch.as_tensor(parts.scheduler.alphas_cumprod, dtype=torch.float32), persistent=False
         )
@@ -90,7 +94,8 @@ class LatentDiffusion(pl.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         latents = batch["latents"] if "latents" in batch else self.encode_images(batch["pixel_values"])
-        cond = self.encode_text(batch["caption"])
+        latents = latents.to(self.unet.dtype)
+        cond = self.encode_text(batch["caption"]).to(self.unet.dtype)
         noise = torch.randn_like(latents)
         t = torch.randint(0, len(self.alphas_cumprod), (latents.shape[0],), device=latents.device)
         noisy = diffusion.add_noise(latents, noise, t, self.alphas_cumprod)
