@@ -1,0 +1,165 @@
+"""Plan the memory of one training step without a GPU: trace it on fake tensors.
+
+The networks are built from their configs under `FakeTensorMode` (no weights, no real memory),
+and one step (text encoding, VAE encoding, UNet forward and backward, optimizer step) runs under
+torch's `MemTracker`, which attributes every allocation to parameters, gradients, optimizer
+states, activations or temporaries and records the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ldm.config import ConfigError, import_target, to_plain
+from ldm.models.parts import DEFAULT_CLASSES, DTYPES
+
+GIB = 1024**3
+CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
+
+
+@dataclass
+class PartMemory:
+    """Bytes one part holds for the whole step: its weights, gradients and optimizer states."""
+
+    name: str
+    parameters: int
+    trainable: bool
+    weights: int
+    gradients: int
+    optimizer_states: int
+
+
+@dataclass
+class MemoryPlan:
+    """The traced step: per-part static bytes, and the peak with its breakdown by category."""
+
+    batch_size: int
+    resolution: int
+    precision: str
+    parts: list[PartMemory]
+    peak: int
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+
+    def table(self, gpu_gib: float | None = None) -> str:
+        """A plain-text report; with `gpu_gib`, whether the step fits that card with no offload."""
+        rows = [f"batch {self.batch_size} at {self.resolution} px, precision {self.precision}, no offload"]
+        rows.append(f"{'part':<14}{'params':>10}{'weights':>10}{'grads':>10}{'optim':>10}   (GiB)")
+        for p in self.parts:
+            rows.append(
+                f"{p.name:<14}{p.parameters / 1e6:>9.1f}M{p.weights / GIB:>10.2f}{p.gradients / GIB:>10.2f}"
+                f"{p.optimizer_states / GIB:>10.2f}{'' if p.trainable else '   frozen'}"
+            )
+        at_peak = ", ".join(f"{k.lower()} {v / GIB:.2f}" for k, v in self.peak_by_category.items() if v)
+        rows.append(f"peak of the step: {self.peak / GIB:.2f} GiB ({at_peak})")
+        if gpu_gib is not None:
+            verdict = "fits" if self.peak <= gpu_gib * GIB else "does NOT fit"
+            rows.append(
+                f"{verdict} a {gpu_gib:g} GiB GPU without offload (CUDA context and allocator slack not counted)"
+            )
+        return "\n".join(rows)
+
+
+def _part_config(params: dict, name: str) -> tuple[type, dict]:
+    """The class and config dict of one part, from its spec or from `pretrained/<name>/config.json`."""
+    spec = params.get(name) or {}
+    cls = import_target(spec.get("target", DEFAULT_CLASSES[name]), f"model.params.{name}.target")
+    if "config" in spec:
+        return cls, dict(spec["config"])
+    if "pretrained" in spec:
+        path = Path(spec["pretrained"]) / spec.get("subfolder", "") / "config.json"
+    else:
+        path = Path(params.get("pretrained") or "") / name / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.params.{name}: no {path} to size the {name} from")
+    return cls, json.loads(path.read_text())
+
+
+def _build(name: str, cls: type, config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """Build a part with its parameters created in `dtype` (fake modules cannot be cast afterwards)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        if name == "text_encoder":
+            config_cls = import_target(f"{cls.__module__}.{cls.__name__.replace('Model', 'Config')}")
+            return cls(config_cls(**{k: v for k, v in config.items() if not k.startswith("_")}))
+        return cls.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def plan_training_step(
+    cfg: Any, batch_size: int | None = None, resolution: int | None = None, fake: bool = True
+) -> MemoryPlan:
+    """Trace one training step of the model in `cfg` (a loaded config) on fake tensors.
+
+    `fake=False` runs the same step on real tensors, to check the fake trace on a small model.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    params = to_plain(cfg.model.params)
+    data = to_plain(cfg.data.params) if "params" in cfg.data else {}
+    trainer = to_plain((cfg.get("lightning") or {}).get("trainer") or {})
+    batch_size = batch_size or int(data.get("batch_size", 1))
+    resolution = resolution or int(data.get("size", 512))
+    precision = str(trainer.get("precision", "32-true"))
+    trainable = tuple(params.get("trainable", ("unet",)))
+    frozen_dtype = DTYPES[params["frozen_dtype"]] if params.get("frozen_dtype") else torch.float32
+    autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if precision not in ("32-true", "32", "bf16-mixed", "16-mixed"):
+        raise ConfigError(
+            f"lightning.trainer.precision: the planner knows 32-true, bf16-mixed, 16-mixed; got {precision}"
+        )
+    configs = {name: _part_config(params, name) for name in ("unet", "vae", "text_encoder")}
+
+    tracker = MemTracker()
+    with FakeTensorMode() if fake else contextlib.nullcontext(), tracker:
+        modules = {
+            name: _build(name, cls, config, torch.float32 if name in trainable else frozen_dtype)
+            for name, (cls, config) in configs.items()
+        }
+        # MemTracker hooks every parameter's gradient, so frozen parts keep requires_grad and
+        # instead run under no_grad: they get no gradients and no optimizer states.
+        if params.get("gradient_checkpointing"):
+            modules["unet"].enable_gradient_checkpointing()
+        trained = [p for n in trainable for p in modules[n].parameters()]
+        optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=False)
+        unet, vae, text_encoder = modules["unet"], modules["vae"], modules["text_encoder"]
+        channels = vae.config.in_channels
+        max_length = text_encoder.config.max_position_embeddings
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            with torch.set_grad_enabled("text_encoder" in trainable):  # noqa: SIM117
+                ids = torch.zeros(batch_size, max_length, dtype=torch.long)
+                cond = text_encoder(ids)[0]
+            with torch.no_grad():
+                images = torch.zeros(batch_size, channels, resolution, resolution, dtype=vae.dtype)
+                latents = vae.encode(images).latent_dist.mean.float()
+            t = torch.zeros(batch_size, dtype=torch.long)
+            prediction = unet(latents, t, encoder_hidden_states=cond.to(unet.dtype)).sample
+            loss = prediction.float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    totals: dict[str, int] = {}
+    for device_stats in snapshot.values():
+        for key, value in device_stats.items():
+            label = getattr(key, "value", str(key))
+            totals[label] = totals.get(label, 0) + value
+    parts = []
+    for name, module in modules.items():
+        n = sum(p.numel() for p in module.parameters())
+        weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        is_trained = name in trainable
+        parts.append(
+            PartMemory(name, n, is_trained, weight_bytes, 4 * n if is_trained else 0, 8 * n if is_trained else 0)
+        )
+    return MemoryPlan(
+        batch_size, resolution, precision, parts, totals.get("Total", 0), {k: totals.get(k, 0) for k in CATEGORIES}
+    )
