@@ -134,7 +134,7 @@ def plan_training_step(
         channels = vae.config.in_channels
         max_length = text_encoder.config.max_position_embeddings
         with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
-            with torch.set_grad_enabled("text_encoder" in trainable):  # noqa: SIM117
+            with torch.set_grad_enabled("text_encoder" in trainable):
                 ids = torch.zeros(batch_size, max_length, dtype=torch.long)
                 cond = text_encoder(ids)[0]
             with torch.no_grad():
