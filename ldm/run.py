@@ -114,11 +114,17 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
     return pl.Trainer(default_root_dir=run_dir, callbacks=callbacks, logger=loggers, **trainer_kwargs)
 
 
-def _log_to_file(run_dir: Path) -> None:
+LOGGERS = ("ldm", "lightning.pytorch")
+
+
+def _log_to_file(run_dir: Path) -> logging.Handler:
     handler = logging.FileHandler(run_dir / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in ("ldm", "lightning.pytorch"):
+    for name in LOGGERS:
         logging.getLogger(name).addHandler(handler)
+    if logging.getLogger("ldm").level == logging.NOTSET:
+        logging.getLogger("ldm").setLevel(logging.INFO)  # the run log holds our INFO lines, as Lightning's
+    return handler
 
 
 def train(
@@ -139,14 +145,23 @@ def train(
         name = name or Path(bases[0]).stem
         run_dir = logdir / f"{time.strftime('%Y-%m-%dT%H-%M-%S')}_{name}"
     (run_dir / "configs").mkdir(parents=True, exist_ok=True)
-    _log_to_file(run_dir)
-    pl.seed_everything(seed, workers=True)
+    handler = _log_to_file(run_dir)
+    try:
+        _fit(cfg, run_dir, seed, resumed)
+    finally:  # a second run in the same process must not write into this run's log
+        for name in LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
+        handler.close()
+    return run_dir
 
+
+def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> None:
+    from ldm.data import DataModule
+
+    pl.seed_everything(seed, workers=True)
     model = instantiate(cfg.model, "model")
     model.run_config = to_plain(cfg)
     datamodule = instantiate(cfg.data, "data")
-    from ldm.data import DataModule
-
     trainer = build_trainer(cfg, run_dir, uses_our_sampler=isinstance(datamodule, DataModule))
     if trainer.is_global_zero:
         OmegaConf.save(cfg, run_dir / "configs" / "project.yaml")
@@ -155,4 +170,3 @@ def train(
         # Frozen parts (VAE, text encoder) are kept in eval mode on purpose; Lightning warns about it.
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
         trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None)
-    return run_dir

@@ -20,3 +20,5 @@ def test_quickstart_smoke(tmp_path):
     assert pipe.vae.config.in_channels == 1
     assert pipe.vae.config.scaling_factor == report["latent_scaling_factor"]
     assert pipe.tokenizer.model_max_length == 16
+    (autoencoder_log,) = (tmp_path / "logs").glob("*_digits-autoencoder/train.log")
+    assert "throughput" in autoencoder_log.read_text() and "digits-ldm" not in autoencoder_log.read_text()
