@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ldm.models.parts import Parts
+from ldm.config import import_target
+from ldm.models.parts import Parts, module_from_config
 
 MODULE_PARTS = ("unet", "vae", "text_encoder")
 
@@ -62,8 +63,6 @@ def load_checkpoint(path: str | Path) -> dict:
 
 def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
     """Rebuild the parts saved in a checkpoint, with its trained weights (or its EMA weights)."""
-    import importlib
-
     from accelerate import init_empty_weights
 
     described = ckpt["ldm"]["parts"]
@@ -74,24 +73,14 @@ def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
         state.update(ckpt["ema_state_dict"])
     built = {}
     for name in MODULE_PARTS:
-        module_name, cls_name = described[name]["class"].rsplit(".", 1)
-        cls = getattr(importlib.import_module(module_name), cls_name)
         with init_empty_weights():
-            if module_name == "transformers":
-                config_cls = getattr(importlib.import_module(module_name), cls_name.replace("Model", "Config"))
-                module = cls(config_cls(**described[name]["config"]))
-            else:
-                module = cls.from_config(described[name]["config"])
+            module = module_from_config(import_target(described[name]["class"]), described[name]["config"])
         prefix = f"{name}."
         module.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, assign=True)
         built[name] = module.eval()
-    module_name, cls_name = described["scheduler"]["class"].rsplit(".", 1)
-    built["scheduler"] = getattr(importlib.import_module(module_name), cls_name).from_config(
-        described["scheduler"]["config"]
-    )
-    module_name, cls_name = described["tokenizer"]["class"].rsplit(".", 1)
+    built["scheduler"] = import_target(described["scheduler"]["class"]).from_config(described["scheduler"]["config"])
     with tempfile.TemporaryDirectory() as tmp:
         for filename, text in described["tokenizer"]["files"].items():
             (Path(tmp) / filename).write_text(text)
-        built["tokenizer"] = getattr(importlib.import_module(module_name), cls_name).from_pretrained(tmp)
+        built["tokenizer"] = import_target(described["tokenizer"]["class"]).from_pretrained(tmp)
     return Parts(**built)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ldm.config import ConfigError, import_target, to_plain
-from ldm.models.parts import DEFAULT_CLASSES, DTYPES
+from ldm.models.parts import DEFAULT_CLASSES, DTYPES, module_from_config, part_folder, part_spec
 
 GIB = 1024**3
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
@@ -67,28 +66,22 @@ class MemoryPlan:
 
 def _part_config(params: dict, name: str) -> tuple[type, dict]:
     """The class and config dict of one part, from its spec or from `pretrained/<name>/config.json`."""
-    spec = params.get(name) or {}
+    spec = part_spec(name, params.get(name), params.get("pretrained"))
     cls = import_target(spec.get("target", DEFAULT_CLASSES[name]), f"model.params.{name}.target")
     if "config" in spec:
         return cls, dict(spec["config"])
-    if "pretrained" in spec:
-        path = Path(spec["pretrained"]) / spec.get("subfolder", "") / "config.json"
-    else:
-        path = Path(params.get("pretrained") or "") / name / "config.json"
+    path = part_folder(spec) / "config.json"
     if not path.is_file():
         raise ConfigError(f"model.params.{name}: no {path} to size the {name} from")
     return cls, json.loads(path.read_text())
 
 
-def _build(name: str, cls: type, config: dict, dtype: torch.dtype) -> torch.nn.Module:
+def _build(cls: type, config: dict, dtype: torch.dtype) -> torch.nn.Module:
     """Build a part with its parameters created in `dtype` (fake modules cannot be cast afterwards)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        if name == "text_encoder":
-            config_cls = import_target(f"{cls.__module__}.{cls.__name__.replace('Model', 'Config')}")
-            return cls(config_cls(**{k: v for k, v in config.items() if not k.startswith("_")}))
-        return cls.from_config(config)
+        return module_from_config(cls, config)
     finally:
         torch.set_default_dtype(previous)
 
@@ -121,7 +114,7 @@ def plan_training_step(
     tracker = MemTracker()
     with FakeTensorMode() if fake else contextlib.nullcontext(), tracker:
         modules = {
-            name: _build(name, cls, config, torch.float32 if name in trainable else frozen_dtype)
+            name: _build(cls, config, torch.float32 if name in trainable else frozen_dtype)
             for name, (cls, config) in configs.items()
         }
         # MemTracker hooks every parameter's gradient, so frozen parts keep requires_grad and

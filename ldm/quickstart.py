@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 
 import torch
 from PIL import Image
 
+from ldm.checkpoint import load_checkpoint
 from ldm.data.digits import DigitsDataset, digit_prompts
 from ldm.pipeline import export_pipeline, image_grid, load_pipeline
 from ldm.run import train
-
-log = logging.getLogger("ldm")
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "quickstart"
 
@@ -23,7 +21,7 @@ def load_trained_vae(ckpt_path: Path) -> torch.nn.Module:
     """The autoencoder from a stage-1 checkpoint."""
     from diffusers import AutoencoderKL
 
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint(ckpt_path)
     vae = AutoencoderKL.from_config(ckpt["ldm"]["parts"]["vae"]["config"])
     vae.load_state_dict({k.removeprefix("vae."): v for k, v in ckpt["state_dict"].items()})
     return vae

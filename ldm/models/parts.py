@@ -55,13 +55,31 @@ def build_parts(pretrained: str | None = None, key: str = "model.params", **spec
     """Build every part: a module passes through, a spec is built, a missing one comes from `pretrained`."""
     built = {}
     for name in PART_NAMES:
-        spec = specs.get(name)
-        if spec is None:
-            if pretrained is None:
-                raise ConfigError(f"{key}.{name}: missing; give `{key}.pretrained: PATH` or `{key}.{name}.config`")
-            spec = {"pretrained": pretrained, "subfolder": name}
+        spec = part_spec(name, specs.get(name), pretrained, key)
         built[name] = spec if not isinstance(spec, dict) else build_part(name, spec, f"{key}.{name}")
     return Parts(**built)
+
+
+def part_spec(name: str, spec: Any, pretrained: str | None, key: str = "model.params") -> Any:
+    """The spec of one part: as given, or by default the `name` subfolder of `pretrained`."""
+    if spec is not None:
+        return spec
+    if pretrained is None:
+        raise ConfigError(f"{key}.{name}: missing; give `{key}.pretrained: PATH` or `{key}.{name}.config`")
+    return {"pretrained": pretrained, "subfolder": name}
+
+
+def part_folder(spec: dict) -> Path:
+    """The folder a `{pretrained, subfolder}` spec points at."""
+    folder = Path(spec["pretrained"]).expanduser()
+    return folder / spec["subfolder"] if spec.get("subfolder") else folder
+
+
+def module_from_config(cls: type, config: dict) -> torch.nn.Module:
+    """A network with fresh weights from its config: a transformers model through its `config_class`."""
+    if hasattr(cls, "config_class") and not hasattr(cls, "from_config"):
+        return cls(cls.config_class(**{k: v for k, v in config.items() if not k.startswith("_")}))
+    return cls.from_config(config)
 
 
 def build_part(name: str, spec: dict, key: str) -> Any:
@@ -71,9 +89,7 @@ def build_part(name: str, spec: dict, key: str) -> Any:
         raise ConfigError(f"{key}: give exactly one of `pretrained` (a local folder) or `config`")
     if "config" in spec:
         return _from_config(name, cls, dict(spec["config"]), key)
-    folder = Path(spec["pretrained"]).expanduser()
-    subfolder = spec.get("subfolder")
-    source = folder / subfolder if subfolder else folder
+    source = part_folder(spec)
     if not source.is_dir():
         raise ConfigError(f"{key}: no folder {source} (from {key}.pretrained); expected a diffusers-format folder")
     try:
@@ -87,12 +103,9 @@ def build_part(name: str, spec: dict, key: str) -> Any:
 def _from_config(name: str, cls: type, config: dict, key: str) -> Any:
     if name == "tokenizer":
         return _tokenizer_from_config(cls, config, key)
-    if name == "text_encoder":
-        config_cls = import_target(f"{cls.__module__}.{cls.__name__.replace('Model', 'Config')}", f"{key}.target")
-        _check_keys(config, inspect.signature(config_cls.__init__), key)
-        return cls(config_cls(**config))
-    _check_keys(config, inspect.signature(cls.__init__), key)
-    return cls.from_config(config)
+    is_transformers_model = hasattr(cls, "config_class") and not hasattr(cls, "from_config")
+    _check_keys(config, inspect.signature((cls.config_class if is_transformers_model else cls).__init__), key)
+    return module_from_config(cls, config)
 
 
 def _check_keys(config: dict, sig: inspect.Signature, key: str) -> None:
