@@ -22,7 +22,7 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        "colossalai": ["colossalai>=0.4.5"],
+        "colossalai": ["colossalai>=0.5.0,<0.6"],  # pins torch<=2.5.1 (see README, "Colossal-AI")
         "xformers": ["xformers>=0.0.27"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },

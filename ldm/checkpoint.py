@@ -12,6 +12,13 @@ from ldm.config import import_target
 from ldm.models.parts import Parts, module_from_config
 
 MODULE_PARTS = ("unet", "vae", "text_encoder")
+# A checkpoint written by ldm.strategies.ColossalAIStrategy is a folder with these entries.
+COLOSSAL_FILES = {
+    "model": "model",
+    "optimizer": "optimizer",
+    "master": "master.safetensors",
+    "trainer": "trainer.pt",
+}
 
 
 def describe_parts(parts: Parts) -> dict:
@@ -48,16 +55,47 @@ def _plain(value: Any) -> Any:
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """Load one of our checkpoints without executing code from it; explain what is wrong otherwise."""
+    """Load one of our checkpoints (a file, or a ColossalAIStrategy folder) without executing code from it.
+
+    A folder is consolidated: its weight shards become one `state_dict`, the fp32 master weights
+    (if saved) replacing the half-precision working copies."""
     path = Path(path)
+    if path.is_dir():
+        return _load_folder(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ValueError(f"{path}: not a readable checkpoint ({' '.join(str(err).split())[:300]})") from None
+    ckpt = _torch_load(path)
     if not isinstance(ckpt, dict) or "ldm" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{path}: not an ldm checkpoint (no 'ldm' and 'state_dict' entries); was it made by main.py?")
+    return ckpt
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"{path}: not a readable checkpoint ({' '.join(str(err).split())[:300]})") from None
+
+
+def _load_folder(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    trainer_state = path / COLOSSAL_FILES["trainer"]
+    shards = sorted((path / COLOSSAL_FILES["model"]).glob("*.safetensors"))
+    if not trainer_state.is_file() or not shards:
+        raise ValueError(
+            f"{path}: a folder, but not an ldm checkpoint folder (expected {COLOSSAL_FILES['trainer']} and "
+            f"{COLOSSAL_FILES['model']}/*.safetensors, as ColossalAIStrategy writes them)"
+        )
+    ckpt = _torch_load(trainer_state)
+    state = {}
+    for shard in shards:
+        state.update(load_file(str(shard)))
+    if (path / COLOSSAL_FILES["master"]).is_file():
+        state.update(load_file(str(path / COLOSSAL_FILES["master"])))
+    ckpt["state_dict"] = state
+    if "ldm" not in ckpt:
+        raise ValueError(f"{path}: not an ldm checkpoint (no 'ldm' entry); was it made by main.py?")
     return ckpt
 
 
@@ -77,7 +115,7 @@ def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
             module = module_from_config(import_target(described[name]["class"]), described[name]["config"])
         prefix = f"{name}."
         module.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, assign=True)
-        built[name] = module.eval()
+        built[name] = module.float().eval()  # parts trained or frozen in half precision come back as fp32
     built["scheduler"] = import_target(described["scheduler"]["class"]).from_config(described["scheduler"]["config"])
     with tempfile.TemporaryDirectory() as tmp:
         for filename, text in described["tokenizer"]["files"].items():

@@ -127,7 +127,7 @@ def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
     sources = sources or Sources()
     for key in cfg:
         if key not in TOP_LEVEL_KEYS:
-            _fail(sources, str(key), f"unknown section; valid sections: {', '.join(TOP_LEVEL_KEYS)}")
+            fail(sources, str(key), f"unknown section; valid sections: {', '.join(TOP_LEVEL_KEYS)}")
     for section in ("model", "data"):
         if section not in cfg:
             raise ConfigError(f"{section}: missing section; every config needs `{section}: {{target, params}}`")
@@ -136,24 +136,33 @@ def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
         check_target_node(cfg[section], section, sources)
     lightning = cfg.get("lightning") or {}
     if not isinstance(lightning, Mapping):
-        _fail(sources, "lightning", "must be a mapping")
+        fail(sources, "lightning", "must be a mapping")
     for key in lightning:
         if key not in LIGHTNING_KEYS:
-            _fail(sources, f"lightning.{key}", f"unknown key; valid keys: {', '.join(LIGHTNING_KEYS)}")
+            fail(sources, f"lightning.{key}", f"unknown key; valid keys: {', '.join(LIGHTNING_KEYS)}")
     trainer = lightning.get("trainer") or {}
     check_params(trainer, _trainer_signature(), "lightning.trainer", sources, skip=("strategy",))
     strategy = trainer.get("strategy")
     if isinstance(strategy, Mapping):
+        from ldm.strategies import LEGACY_TARGETS, translate_legacy_strategy
+
+        if strategy.get("target") in LEGACY_TARGETS:  # configs written for Lightning 1.x's ColossalAIStrategy
+            cfg.lightning.trainer.strategy = translate_legacy_strategy(strategy)
+            strategy = cfg.lightning.trainer.strategy
         check_target_node(strategy, "lightning.trainer.strategy", sources)
+        check_whole = getattr(import_target(strategy["target"]), "check_run_config", None)
+        if check_whole is not None:  # combinations a strategy cannot train, e.g. an optimizer it cannot drive
+            check_whole(cfg, sources)
     callbacks = lightning.get("callbacks") or {}
     if not isinstance(callbacks, Mapping):
-        _fail(sources, "lightning.callbacks", "must be a mapping of name: {target, params}")
+        fail(sources, "lightning.callbacks", "must be a mapping of name: {target, params}")
     for name, node in callbacks.items():
-        check_target_node(node, f"lightning.callbacks.{name}", sources)
+        if node is not None:  # `lightning.callbacks.NAME=null` switches off a callback a base config adds
+            check_target_node(node, f"lightning.callbacks.{name}", sources)
     checkpoint = lightning.get("modelcheckpoint") or {}
     for k in checkpoint:
         if k != "params":
-            _fail(sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (of ModelCheckpoint)")
+            fail(sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (of ModelCheckpoint)")
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     check_params(
@@ -164,7 +173,7 @@ def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
         skip=("dirpath",),
     )
     if lightning.get("logger") is not None:
-        _fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
+        fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
 
 
 def _check_datamodule(target: str, sources: Sources) -> None:
@@ -172,7 +181,7 @@ def _check_datamodule(target: str, sources: Sources) -> None:
 
     cls = import_target(target, "data.target", sources)
     if not (isinstance(cls, type) and issubclass(cls, LightningDataModule)):
-        _fail(
+        fail(
             sources,
             "data.target",
             f"{target} is not a LightningDataModule; put a Dataset under "
@@ -190,14 +199,17 @@ def import_target(path: str, key: str = "target", sources: Sources | None = None
     """Import `package.module.Name`; a bad path is a `ConfigError` naming the key."""
     module_name, _, attr = str(path).rpartition(".")
     if not module_name:
-        _fail(sources, key, f"target {path!r} must be a dotted path like package.module.Class")
+        fail(sources, key, f"target {path!r} must be a dotted path like package.module.Class")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        _fail(sources, key, f"cannot import {path!r}: {_one_line(err)}")
-    if not hasattr(module, attr):
-        _fail(sources, key, f"cannot import {path!r}: module {module_name!r} has no {attr!r}")
-    return getattr(module, attr)
+        fail(sources, key, f"cannot import {path!r}: {_one_line(err)}")
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        fail(sources, key, f"cannot import {path!r}: module {module_name!r} has no {attr!r}")
+    except ImportError as err:  # a lazily imported optional dependency, e.g. ldm.strategies.ColossalAIStrategy
+        fail(sources, key, f"cannot import {path!r}: {_one_line(err)}")
 
 
 def check_target_node(node: Any, key: str, sources: Sources | None = None, supplied: Sequence[str] = ()) -> None:
@@ -206,18 +218,24 @@ def check_target_node(node: Any, key: str, sources: Sources | None = None, suppl
     `supplied` names arguments the calling code passes; the config may not set them.
     """
     if not isinstance(node, Mapping) or "target" not in node:
-        _fail(sources, key, "must be a mapping with a `target` (and optional `params`)")
+        fail(sources, key, "must be a mapping with a `target` (and optional `params`)")
     for k in node:
         if k not in ("target", "params"):
-            _fail(sources, f"{key}.{k}", "unknown key; a target node has only `target` and `params`")
+            fail(sources, f"{key}.{k}", "unknown key; a target node has only `target` and `params`")
     target = import_target(node["target"], f"{key}.target", sources)
     params = node.get("params") or {}
     if not isinstance(params, Mapping):
-        _fail(sources, f"{key}.params", f"must be a mapping, got {_show(params)}")
+        fail(sources, f"{key}.params", f"must be a mapping, got {_show(params)}")
+    sig = _signature(target)
+    positional = [n for n, p in sig.parameters.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
+    if supplied and positional and supplied[0] not in sig.parameters:
+        # The code passes its first argument by position; the target may call it differently
+        # (optimizers: `params` in torch, `model_params` in Colossal-AI).
+        supplied = (positional[0], *supplied[1:])
     for name in supplied:
         if name in params:
-            _fail(sources, f"{key}.params.{name}", "is set by the code that builds this target; remove it")
-    check_params(params, _signature(target), f"{key}.params", sources, skip=supplied, supplied=supplied)
+            fail(sources, f"{key}.params.{name}", "is set by the code that builds this target; remove it")
+    check_params(params, sig, f"{key}.params", sources, skip=supplied, supplied=supplied)
 
 
 def _signature(target: Any) -> inspect.Signature:
@@ -249,12 +267,12 @@ def check_params(
             if takes_kwargs:
                 continue
             valid = ", ".join(n for n, p in accepted.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-            _fail(sources, where, f"unknown parameter; valid: {valid}")
+            fail(sources, where, f"unknown parameter; valid: {valid}")
         check_value(value, accepted[name].annotation, where, sources)
     for name, p in accepted.items():
         required = p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         if required and name not in params and name not in supplied:
-            _fail(sources, f"{key}.{name}", "missing required parameter")
+            fail(sources, f"{key}.{name}", "missing required parameter")
 
 
 def check_value(value: Any, annotation: Any, key: str, sources: Sources | None = None) -> None:
@@ -263,7 +281,7 @@ def check_value(value: Any, annotation: Any, key: str, sources: Sources | None =
         return
     if _matches(value, annotation, key, sources):
         return
-    _fail(sources, key, f"expected {_type_name(annotation)}, got {_show(value)}")
+    fail(sources, key, f"expected {_type_name(annotation)}, got {_show(value)}")
 
 
 def _matches(value: Any, ann: Any, key: str, sources: Sources | None) -> bool:
@@ -278,7 +296,7 @@ def _matches(value: Any, ann: Any, key: str, sources: Sources | None) -> bool:
         if not isinstance(value, (str, os.PathLike)):
             return False
         if not Path(value).expanduser().exists():
-            _fail(sources, key, f"no such file or folder: {value}")
+            fail(sources, key, f"no such file or folder: {value}")
         return True
     if ann is type(None) or ann is None:
         return value is None
@@ -295,7 +313,7 @@ def _matches(value: Any, ann: Any, key: str, sources: Sources | None) -> bool:
         return False
     if origin is Literal:
         if value not in args:
-            _fail(sources, key, f"got {_show(value)}; valid: {', '.join(map(repr, args))}")
+            fail(sources, key, f"got {_show(value)}; valid: {', '.join(map(repr, args))}")
         return True
     if _is_typeddict(ann):
         if not isinstance(value, Mapping):
@@ -303,7 +321,7 @@ def _matches(value: Any, ann: Any, key: str, sources: Sources | None) -> bool:
         hints = typing.get_type_hints(ann)
         for k, v in value.items():
             if k not in hints:
-                _fail(sources, f"{key}.{k}", f"unknown key; valid: {', '.join(hints)}")
+                fail(sources, f"{key}.{k}", f"unknown key; valid: {', '.join(hints)}")
             check_value(v, hints[k], f"{key}.{k}", sources)
         if ann is TargetSpec:
             check_target_node(value, key, sources)
@@ -355,7 +373,8 @@ def _show(value: Any) -> str:
     return f"{type(value).__name__} {value!r}" if not isinstance(value, (dict, list)) else f"{value!r}"
 
 
-def _fail(sources: Sources | None, key: str, message: str) -> typing.NoReturn:
+def fail(sources: Sources | None, key: str, message: str) -> typing.NoReturn:
+    """Raise a `ConfigError` for `key`, saying which file (or the command line) set it."""
     where = f" ({sources.where(key)})" if sources else ""
     raise ConfigError(f"{key}{where}: {message}")
 

@@ -44,6 +44,12 @@ class MemoryPlan:
     parts: list[PartMemory]
     peak: int
     peak_by_category: dict[str, int] = field(default_factory=dict)
+    backward_peak_by_category: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def activations(self) -> int:
+        """Activations and temporaries at the forward/backward peak: what the GPU holds beyond the states."""
+        return self.backward_peak_by_category.get("Activation", 0) + self.backward_peak_by_category.get("Temp", 0)
 
     def table(self, gpu_gib: float | None = None) -> str:
         """A plain-text report; with `gpu_gib`, whether the step fits that card with no offload."""
@@ -137,14 +143,10 @@ def plan_training_step(
             prediction = unet(latents, t, encoder_hidden_states=cond.to(unet.dtype)).sample
             loss = prediction.float().pow(2).mean()
         loss.backward()
+        backward_peak = _by_category(tracker)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    snapshot = tracker.get_tracker_snapshot("peak")
-    totals: dict[str, int] = {}
-    for device_stats in snapshot.values():
-        for key, value in device_stats.items():
-            label = getattr(key, "value", str(key))
-            totals[label] = totals.get(label, 0) + value
+    totals = _by_category(tracker)
     parts = []
     for name, module in modules.items():
         n = sum(p.numel() for p in module.parameters())
@@ -154,5 +156,97 @@ def plan_training_step(
             PartMemory(name, n, is_trained, weight_bytes, 4 * n if is_trained else 0, 8 * n if is_trained else 0)
         )
     return MemoryPlan(
-        batch_size, resolution, precision, parts, totals.get("Total", 0), {k: totals.get(k, 0) for k in CATEGORIES}
+        batch_size,
+        resolution,
+        precision,
+        parts,
+        totals.get("Total", 0),
+        {k: totals.get(k, 0) for k in CATEGORIES},
+        {k: backward_peak.get(k, 0) for k in CATEGORIES},
     )
+
+
+def _by_category(tracker: Any) -> dict[str, int]:
+    """Bytes per category at the peak so far, summed over devices."""
+    totals: dict[str, int] = {}
+    for device_stats in tracker.get_tracker_snapshot("peak").values():
+        for key, value in device_stats.items():
+            label = getattr(key, "value", str(key))
+            totals[label] = totals.get(label, 0) + value
+    return totals
+
+
+@dataclass
+class Placement:
+    """Where a strategy keeps each kind of state: (part, state, device, bytes) rows, totals per device."""
+
+    strategy: str
+    rows: list[tuple[str, str, str, int]]
+
+    def total(self, device: str) -> int:
+        return sum(b for _, _, d, b in self.rows if d == device)
+
+    def table(self, gpu_gib: float | None = None) -> str:
+        lines = [f"placement under {self.strategy}", f"{'part':<14}{'state':<32}{'device':<8}{'GiB':>8}"]
+        lines += [f"{part:<14}{state:<32}{device:<8}{b / GIB:>8.2f}" for part, state, device, b in self.rows if b]
+        totals = ", ".join(f"{d} {self.total(d) / GIB:.2f} GiB" for d in ("gpu", "cpu", "nvme") if self.total(d))
+        lines.append(f"totals: {totals}")
+        if gpu_gib is not None:
+            verdict = "fits" if self.total("gpu") <= gpu_gib * GIB else "does NOT fit"
+            lines.append(f"{verdict} a {gpu_gib:g} GiB GPU (CUDA context and allocator slack not counted)")
+        return "\n".join(lines)
+
+
+def place(plan: MemoryPlan, cfg: Any) -> Placement | None:
+    """Split the traced step's memory over GPU, CPU and NVMe as the configured ColossalAIStrategy would.
+
+    Arithmetic on the traced sizes: half-precision working weights (2 B/param), fp32 master weights
+    (4 B), Adam moments (8 B). Gemini reuses its fp16 chunks for gradients unless accumulating; ZeRO
+    keeps gradients beside the weights, or fp32 ones on the CPU with cpu_offload. Activations and
+    temporaries are the traced ones at the forward/backward peak. None for other strategies.
+    """
+    trainer = to_plain((cfg.get("lightning") or {}).get("trainer") or {})
+    strategy = trainer.get("strategy")
+    if not isinstance(strategy, dict) or strategy.get("target") != "ldm.strategies.ColossalAIStrategy":
+        return None
+    sp = strategy.get("params") or {}
+    optimizer = (to_plain(cfg.model.params).get("optimizer") or {}).get("params") or {}
+    nvme = float(optimizer.get("nvme_offload_fraction") or 0.0)
+    accumulate = int(trainer.get("accumulate_grad_batches", 1)) > 1
+    plugin = sp.get("plugin", "gemini")
+    rows: list[tuple[str, str, str, int]] = []
+
+    def split(part: str, state: str, nbytes: float, gpu_share: float) -> None:
+        rows.append((part, state, "gpu", int(nbytes * gpu_share)))
+        rows.append((part, state, "cpu", int(nbytes * (1 - gpu_share))))
+
+    for p in plan.parts:
+        n = p.parameters
+        if not p.trainable:
+            rows.append((p.name, "weights (frozen, half)", "gpu", 2 * n))
+        elif plugin == "gemini":
+            weights_gpu = 1.0 - float(sp.get("offload_param_frac", 0.0))
+            optim_gpu = 1.0 - float(sp.get("offload_optim_frac", 0.0))
+            split(p.name, "weights (fp16 chunks)", 2 * n, weights_gpu)
+            if accumulate:
+                split(p.name, "gradients (fp16, accumulated)", 2 * n, weights_gpu)
+            split(p.name, "master weights (fp32)", 4 * n, optim_gpu)
+            rows.append((p.name, "Adam moments (fp32)", "gpu", int(8 * n * optim_gpu)))
+            rows.append((p.name, "Adam moments (fp32)", "cpu", int(8 * n * (1 - optim_gpu) * (1 - nvme))))
+            rows.append((p.name, "Adam moments (fp32)", "nvme", int(8 * n * (1 - optim_gpu) * nvme)))
+        else:
+            offload = bool(sp.get("cpu_offload", False))
+            width = 4 if str(trainer.get("precision", "16-mixed")).startswith("32") else 2
+            device = "cpu" if offload else "gpu"
+            rows.append((p.name, "weights (working)", "gpu", width * n))
+            if offload:
+                rows.append((p.name, "gradient bucket", "gpu", 2 * 2**20 * int(sp.get("reduce_bucket_size_m", 12))))
+                rows.append((p.name, "gradients (fp32)", "cpu", 4 * n))
+            else:
+                rows.append((p.name, "gradients", "gpu", width * n))
+            if width == 2:
+                rows.append((p.name, "master weights (fp32)", device, 4 * n))
+            rows.append((p.name, "Adam moments (fp32)", device, int(8 * n * (1 - nvme))))
+            rows.append((p.name, "Adam moments (fp32)", "nvme", int(8 * n * nvme)))
+    rows.append(("step", "activations + temporaries", "gpu", plan.activations))
+    return Placement(f"ColossalAIStrategy ({plugin})", rows)

@@ -13,11 +13,23 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ldm.callbacks.throughput import Throughput
+from ldm.checkpoint import COLOSSAL_FILES
 from ldm.config import ConfigError, Sources, check_config, instantiate, load_config, to_plain
 
 log = logging.getLogger("ldm")
 
-DEFAULT_CHECKPOINT = {"save_last": True, "save_top_k": 0, "every_n_train_steps": 500}
+# ModelCheckpoint writes `last.ckpt` every N steps, at a batch end, so a resume continues mid-epoch
+# exactly; FinalCheckpoint writes it when training stops. Lightning's own `save_last` would also save at
+# train end, after the loops have closed an epoch cut short by max_steps; resuming from that state
+# skips the rest of the epoch, so it is off.
+DEFAULT_CHECKPOINT = {
+    "filename": "last",
+    "save_top_k": 1,
+    "every_n_train_steps": 500,
+    "save_last": False,
+    "save_on_train_epoch_end": False,
+    "enable_version_counter": False,
+}
 
 
 @dataclass
@@ -33,17 +45,17 @@ def find_resume(resume: str, logdir: Path, name: str | None) -> Resume | None:
     if resume == "auto":
         if not name:
             raise ConfigError("-r auto needs -n NAME to know which run to continue")
-        runs = sorted(p for p in logdir.glob(f"*_{name}") if (p / "checkpoints" / "last.ckpt").is_file())
+        runs = sorted(p for p in logdir.glob(f"*_{name}") if (p / "checkpoints" / "last.ckpt").exists())
         if not runs:
             log.info("-r auto: no run named %r with a checkpoint in %s; starting fresh", name, logdir)
             return None
         log.info("-r auto: resuming %s", runs[-1] / "checkpoints" / "last.ckpt")
         return Resume(runs[-1], runs[-1] / "checkpoints" / "last.ckpt")
     path = Path(resume)
-    if path.is_file():
+    if path.is_file() or (path / COLOSSAL_FILES["trainer"]).is_file():  # a file, or a ColossalAIStrategy folder
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return Resume(run_dir, path)
-    if path.is_dir() and (path / "checkpoints" / "last.ckpt").is_file():
+    if path.is_dir() and (path / "checkpoints" / "last.ckpt").exists():
         return Resume(path, path / "checkpoints" / "last.ckpt")
     raise ConfigError(f"-r {resume}: neither a checkpoint file nor a run folder with checkpoints/last.ckpt")
 
@@ -106,7 +118,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
         LearningRateMonitor(logging_interval="step"),
     ]
     for name, node in (lightning_cfg.get("callbacks") or {}).items():
-        callbacks.append(instantiate(node, f"lightning.callbacks.{name}"))
+        if node is not None:
+            callbacks.append(instantiate(node, f"lightning.callbacks.{name}"))
     loggers = [
         TensorBoardLogger(run_dir, name="", version="tensorboard"),
         CSVLogger(run_dir, name="csv", version=time.strftime("%Y-%m-%dT%H-%M-%S")),  # one file per launch

@@ -1,5 +1,7 @@
 """Plan the memory of one training step of a config, on fake tensors (no GPU, no weights needed).
 
+With a ColossalAIStrategy config, it also splits that memory over GPU, CPU and NVMe.
+
     python scripts/plan_memory.py -b configs/finetune/sd-folder.yaml model.params.pretrained=configs/models/sd15 \
         data.params.root=. --gpu-gib 8
 """
@@ -12,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ldm.config import ConfigError, check_config, load_config  # noqa: E402
-from ldm.memory import plan_training_step  # noqa: E402
+from ldm.memory import place, plan_training_step  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +32,11 @@ def main() -> None:
         plan = plan_training_step(cfg, args.batch_size, args.resolution)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
-    print(plan.table(args.gpu_gib))
+    placement = place(plan, cfg)
+    print(plan.table(None if placement else args.gpu_gib))
+    if placement:
+        print()
+        print(placement.table(args.gpu_gib))
 
 
 if __name__ == "__main__":

@@ -10,21 +10,12 @@ from safetensors.torch import load_file
 from ldm.checkpoint import load_checkpoint
 from ldm.config import ConfigError
 from main import main
+from tests.helpers import finetune_args
 
 REPO = Path(__file__).resolve().parents[1]
-SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
 
 
-def args(tiny_sd, images, logdir, *extra):
-    return [
-        "-t", "-b", str(SD_FOLDER), "-l", str(logdir), "-n", "tiny", "-s", "1",
-        f"model.params.pretrained={tiny_sd}", f"data.params.root={images}", "data.params.size=16",
-        "data.params.batch_size=2", "data.params.num_workers=0", "lightning.trainer.max_steps=3",
-        "lightning.trainer.accumulate_grad_batches=1", "lightning.trainer.log_every_n_steps=1",
-        "model.params.learning_rate=1e-3",
-        "lightning.callbacks.image_logger.params.every_n_steps=2",
-        "lightning.callbacks.image_logger.params.num_inference_steps=2", *extra,
-    ]  # fmt: skip
+args = finetune_args
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +137,12 @@ def test_resumed_run_sees_the_batches_an_unbroken_run_sees(tiny_sd, image_folder
 def test_prediction_type_follows_the_weights(tiny_sd):
     from ldm.models.diffusion.ddpm import LatentDiffusion
 
-    assert LatentDiffusion(pretrained=str(tiny_sd)).prediction_type == "epsilon"
+    model = LatentDiffusion(pretrained=str(tiny_sd))
+    model.configure_model()
+    assert model.prediction_type == "epsilon"
+    contradicting = LatentDiffusion(pretrained=str(tiny_sd), prediction_type="v_prediction")
     with pytest.raises(ConfigError, match="contradicts the pretrained scheduler's prediction_type 'epsilon'"):
-        LatentDiffusion(pretrained=str(tiny_sd), prediction_type="v_prediction")
+        contradicting.configure_model()
 
 
 def test_a_users_own_datamodule_plugs_in_by_target(tiny_sd, tmp_path):

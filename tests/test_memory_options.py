@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from ldm.config import ConfigError
-from ldm.models.diffusion.ddpm import LatentDiffusion
+from ldm.models.diffusion.ddpm import LatentDiffusion as _LatentDiffusion
+
+
+def LatentDiffusion(**params) -> _LatentDiffusion:  # noqa: N802 - built at once, as Lightning's configure_model would
+    model = _LatentDiffusion(**params)
+    model.configure_model()
+    return model
 
 
 def batch():

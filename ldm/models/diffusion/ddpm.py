@@ -41,25 +41,48 @@ class LatentDiffusion(pl.LightningModule):
         frozen_dtype: Literal["float32", "float16", "bfloat16"] | None = None,
     ) -> None:
         super().__init__()
-        parts = build_parts(
-            pretrained, unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler
-        )
-        self.unet, self.vae, self.text_encoder = parts.unet, parts.vae, parts.text_encoder
-        self.tokenizer, self.noise_scheduler = parts.tokenizer, parts.scheduler
-        self.prediction_type = _resolve_prediction_type(parts.scheduler, prediction_type, pretrained, scheduler)
+        self._specs = {"unet": unet, "vae": vae, "text_encoder": text_encoder}
+        self._specs.update(tokenizer=tokenizer, scheduler=scheduler)
+        self.pretrained, self.requested_prediction_type = pretrained, prediction_type
         self.trainable = tuple(dict.fromkeys(trainable))
-        set_attention(parts, attention)
-        prepare_for_training(parts, self.trainable, gradient_checkpointing, channels_last, frozen_dtype)
-        self.register_buffer(
-            "alphas_cumprod", torch.as_tensor(parts.scheduler.alphas_cumprod, dtype=torch.float32), persistent=False
-        )
+        self.memory_options = {
+            "attention": attention,
+            "gradient_checkpointing": gradient_checkpointing,
+            "channels_last": channels_last,
+            "frozen_dtype": frozen_dtype,
+        }
         self.learning_rate, self.lr_schedule, self.lr_warmup_steps = learning_rate, lr_schedule, lr_warmup_steps
         self.optimizer_spec = optimizer or {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
         self.snr_gamma = snr_gamma
         self.run_config: dict | None = None  # the resolved config, set by ldm.run and saved in checkpoints
+        self._built = False
+        if all(isinstance(self._specs[name], torch.nn.Module) for name in ("unet", "vae", "text_encoder")):
+            self.configure_model()  # networks passed in: nothing to load
+
+    def configure_model(self) -> None:
+        """Build the parts (once). Lightning calls this inside `fit`, so weights load after the Trainer
+        and its strategy exist; they load on the CPU and the strategy places them."""
+        if self._built:
+            return
+        with torch.device("cpu"):
+            parts = build_parts(self.pretrained, **self._specs)
+        self.unet, self.vae, self.text_encoder = parts.unet, parts.vae, parts.text_encoder
+        self.tokenizer, self.noise_scheduler = parts.tokenizer, parts.scheduler
+        self.prediction_type = _resolve_prediction_type(
+            parts.scheduler, self.requested_prediction_type, self.pretrained, self._specs["scheduler"]
+        )
+        options = self.memory_options
+        set_attention(parts, options["attention"])
+        prepare_for_training(
+            parts, self.trainable, options["gradient_checkpointing"], options["channels_last"], options["frozen_dtype"]
+        )
+        # Not a buffer: ZeRO / Gemini cast every floating buffer to fp16, and the schedule must stay float32.
+        self.alphas_cumprod = torch.as_tensor(parts.scheduler.alphas_cumprod, dtype=torch.float32)
+        self._built = True
 
     @property
     def parts(self) -> Parts:
+        self.configure_model()
         return Parts(self.unet, self.vae, self.text_encoder, self.tokenizer, self.noise_scheduler)
 
     @property
@@ -70,13 +93,14 @@ class LatentDiffusion(pl.LightningModule):
         """Switch to train mode, keeping frozen parts in eval mode."""
         super().train(mode)
         for name in ("unet", "vae", "text_encoder"):
-            if name not in self.trainable:
+            if self._built and name not in self.trainable:
                 getattr(self, name).eval()
         return self
 
     @torch.no_grad()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Images in [-1, 1] to scaled latents (the posterior mean times the VAE's scaling factor)."""
+        self.configure_model()  # a latent cache encodes in the data's setup, before Lightning builds the model
         latents = self.vae.encode(pixel_values.to(self.device, self.vae.dtype)).latent_dist.mean
         return latents * self.latent_scale
 
@@ -97,6 +121,8 @@ class LatentDiffusion(pl.LightningModule):
         latents = latents.to(self.unet.dtype)
         cond = self.encode_text(batch["caption"]).to(self.unet.dtype)
         noise = torch.randn_like(latents)
+        if self.alphas_cumprod.device != latents.device:
+            self.alphas_cumprod = self.alphas_cumprod.to(latents.device)
         t = torch.randint(0, len(self.alphas_cumprod), (latents.shape[0],), device=latents.device)
         noisy = diffusion.add_noise(latents, noise, t, self.alphas_cumprod)
         prediction = self.unet(noisy, t, encoder_hidden_states=cond).sample

@@ -1,0 +1,263 @@
+"""ColossalAIStrategy on a CPU: ZeRO fine-tune through main.py, checkpoint folder, resume, export, config checks.
+
+Runs in the Colossal-AI environment (`make test-compat`, installed with `.[colossalai]`); skipped
+where Colossal-AI is not installed. The CPU needs the test-side patches in `tests/colossalai_cpu.py`.
+Gemini cannot run without CUDA (see ../shared/FACTS.md); its config checks are tested here and its
+training is checked by `benchmarks/gpu_8gb.py` on a GPU.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("colossalai")
+
+from ldm.checkpoint import COLOSSAL_FILES, load_checkpoint  # noqa: E402
+from ldm.config import ConfigError, check_config, load_config  # noqa: E402
+from main import main  # noqa: E402
+from tests import colossalai_cpu  # noqa: E402
+from tests.helpers import SD_FOLDER, finetune_args  # noqa: E402
+
+colossalai_cpu.apply()
+
+ZERO = (
+    "lightning.trainer.strategy={target: ldm.strategies.ColossalAIStrategy, "
+    "params: {plugin: zero, stage: 2, cpu_offload: true, overlap_communication: false}}"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_process_group():
+    yield
+    if torch.distributed.is_initialized():  # the strategy's gloo group; later tests train without one
+        torch.distributed.destroy_process_group()
+
+
+def args(tiny_sd, images, logdir, *extra):
+    colossal = ["model.params.optimizer.target=ldm.strategies.HybridAdam", "lightning.trainer.precision=bf16-mixed"]
+    return finetune_args(tiny_sd, images, logdir, *colossal, ZERO, *extra)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_sd, image_folder, tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("zero-logs")
+    assert main(args(tiny_sd, image_folder, logdir)) == 0
+    (run_dir,) = logdir.iterdir()
+    return run_dir
+
+
+def test_checkpoint_is_a_booster_folder(run):
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(COLOSSAL_FILES.values())
+    assert (ckpt / "model" / "model.safetensors.index.json").is_file()
+    assert list((ckpt / "optimizer").glob("*.index.json"))
+    assert not list(ckpt.parent.glob("*.partial")), "the folder is written aside, then swapped in"
+    assert (run / "images" / "step_000002.png").is_file(), "sample grids work under ZeRO"
+
+
+def test_consolidated_checkpoint_holds_fp32_masters_and_untouched_frozen_parts(run, tiny_sd):
+    ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 3
+    state = ckpt["state_dict"]
+    masters = load_file(run / "checkpoints" / "last.ckpt" / COLOSSAL_FILES["master"])
+    assert set(masters) == {k for k in state if k.startswith("unet.")}
+    assert all(state[k].dtype == torch.float32 and torch.equal(state[k], masters[k]) for k in masters)
+    before = load_file(tiny_sd / "unet" / "diffusion_pytorch_model.safetensors")
+    changed = [k for k in before if not torch.equal(before[k], state[f"unet.{k}"])]
+    assert len(changed) > len(before) // 2, "the UNet trained"
+    vae = load_file(tiny_sd / "vae" / "diffusion_pytorch_model.safetensors")
+    for k, v in vae.items():  # frozen, stored in the training precision
+        assert torch.equal(state[f"vae.{k}"], v.to(torch.bfloat16)), k
+    assert set(ckpt["ema_state_dict"]) == set(masters)
+
+
+def test_resume_restores_exactly_what_was_saved(run, tiny_sd, image_folder, tmp_path):
+    """Load through the booster, save again without a step: weights, masters and Adam states are bit-identical."""
+    saved = tmp_path / "saved.ckpt"
+    shutil.copytree(run / "checkpoints" / "last.ckpt", saved)
+    assert main(args(tiny_sd, image_folder, run.parent, "-r", str(run))) == 0  # max_steps 3: nothing to train
+    again = run / "checkpoints" / "last.ckpt"
+    for sub in ("model", "optimizer"):
+        for file in sorted((saved / sub).iterdir()):
+            if file.suffix == ".safetensors":
+                a, b = load_file(file), load_file(again / sub / file.name)
+            elif file.suffix == ".json":
+                a, b = file.read_text(), (again / sub / file.name).read_text()
+            else:
+                a = torch.load(file, weights_only=True)
+                b = torch.load(again / sub / file.name, weights_only=True)
+            assert _equal(a, b), f"{sub}/{file.name} changed across load and save"
+    assert _equal(load_file(saved / "master.safetensors"), load_file(again / "master.safetensors"))
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def test_resume_continues_training(tiny_sd, image_folder, tmp_path):
+    logdir = tmp_path / "logs"
+    assert main(args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=2")) == 0
+    assert main(args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=4", "-r", "auto")) == 0
+    (run_dir,) = logdir.iterdir()
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 4
+    # 6 images, batch 2: 3 batches per epoch, so step 4 is one batch into epoch 1.
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 1, "batches_done": 1}]
+
+
+def test_export_from_the_folder(run, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    from ldm.pipeline import export_pipeline
+
+    export_pipeline(run / "checkpoints" / "last.ckpt", tmp_path / "pipe")
+    pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
+    masters = load_file(run / "checkpoints" / "last.ckpt" / COLOSSAL_FILES["master"])
+    for name, tensor in pipe.unet.state_dict().items():
+        assert torch.equal(tensor, masters[f"unet.{name}"]), name
+    image = pipe("a cat", num_inference_steps=2, height=16, width=16, output_type="np").images[0]
+    assert image.shape == (16, 16, 3)
+
+
+def unet_after(logdir, argv) -> dict[str, torch.Tensor]:
+    assert main(argv) == 0
+    (run_dir,) = logdir.iterdir()
+    state = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    return {k: v.float() for k, v in state.items() if k.startswith("unet.")}
+
+
+def test_zero_with_hybrid_adam_trains_like_plain_adamw(tiny_sd, image_folder, tmp_path):
+    """fp32 ZeRO-2 with CPU offload, HybridAdam, accumulation 2 and clipping 0.5 vs Lightning's default strategy
+    with torch AdamW: the same seed and data give the same weights."""
+    common = ["lightning.trainer.precision=32-true", "lightning.trainer.accumulate_grad_batches=2",
+              "lightning.trainer.gradient_clip_val=0.5", "lightning.trainer.max_steps=2",
+              "model.params.lr_warmup_steps=0",
+              "lightning.callbacks.image_logger.params.every_n_steps=100"]  # fmt: skip
+    plain = args(tiny_sd, image_folder, tmp_path / "plain", *common)
+    plain = [a for a in plain if a != ZERO and "HybridAdam" not in a]
+    ours = unet_after(tmp_path / "zero", args(tiny_sd, image_folder, tmp_path / "zero", *common))
+    reference = unet_after(tmp_path / "plain", plain)
+    before = load_file(tiny_sd / "unet" / "diffusion_pytorch_model.safetensors")
+    moved = max((reference[f"unet.{k}"] - v).abs().max().item() for k, v in before.items())
+    assert moved > 1e-4, "the reference run trained"
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def config_error(tmp_path, *overrides) -> str:
+    cfg, sources = load_config(
+        [SD_FOLDER], [f"model.params.pretrained={tmp_path}", f"data.params.root={tmp_path}", *overrides]
+    )
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, sources)
+    return str(err.value)
+
+
+NO_CALLBACKS = ("lightning.callbacks.image_logger=null", "lightning.callbacks.ema=null")
+GEMINI = "lightning.trainer.strategy={target: ldm.strategies.ColossalAIStrategy, params: {plugin: gemini}}"
+
+
+def test_gemini_needs_an_optimizer_it_can_drive(tmp_path):
+    message = config_error(tmp_path, GEMINI, *NO_CALLBACKS)
+    assert message.startswith("model.params.optimizer.target")
+    assert "torch.optim.AdamW cannot be driven by Gemini; use ldm.strategies.HybridAdam" in message
+
+
+def test_gemini_rejects_callbacks_that_read_weights_between_steps(tmp_path):
+    message = config_error(tmp_path, GEMINI, "model.params.optimizer.target=ldm.strategies.HybridAdam")
+    assert message.startswith("lightning.callbacks.image_logger") and "use plugin: zero" in message
+
+
+def test_plugin_specific_settings_and_clipping_by_value(tmp_path):
+    zero_with_gemini_key = (
+        "lightning.trainer.strategy={target: ldm.strategies.ColossalAIStrategy, "
+        "params: {plugin: zero, offload_optim_frac: 1.0}}"
+    )
+    assert "offload_optim_frac (command line): applies to plugin gemini only" in config_error(
+        tmp_path, zero_with_gemini_key
+    )
+    assert "clips by norm only" in config_error(tmp_path, ZERO, "lightning.trainer.gradient_clip_algorithm=value")
+    assert "Gemini trains in fp16 or bf16" in config_error(
+        tmp_path,
+        GEMINI,
+        *NO_CALLBACKS,
+        "model.params.optimizer.target=ldm.strategies.HybridAdam",
+        "lightning.trainer.precision=32-true",
+    )
+
+
+def test_nvme_offload_needs_tensornvme(tmp_path):
+    try:
+        import tensornvme  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("tensornvme is installed here")
+    message = config_error(
+        tmp_path,
+        ZERO,
+        "model.params.optimizer.target=ldm.strategies.HybridAdam",
+        "model.params.optimizer.params.nvme_offload_fraction=1.0",
+    )
+    assert "nvme_offload_fraction" in message and "needs the tensornvme package" in message
+
+
+def test_old_colossalai_config_is_translated(tmp_path):
+    cfg, sources = load_config(
+        [SD_FOLDER],
+        [
+            f"model.params.pretrained={tmp_path}",
+            f"data.params.root={tmp_path}",
+            "model.params.optimizer.target=ldm.strategies.HybridAdam",
+            *NO_CALLBACKS,
+            "lightning.trainer.precision=16",
+            "lightning.trainer.strategy={target: lightning.pytorch.strategies.ColossalAIStrategy, params: "
+            "{use_chunk: true, enable_distributed_storage: true, placement_policy: cpu, force_outputs_fp32: true, "
+            "min_chunk_size: 64}}",
+        ],
+    )
+    check_config(cfg, sources)
+    assert cfg.lightning.trainer.strategy == {
+        "target": "ldm.strategies.ColossalAIStrategy",
+        "params": {
+            "plugin": "gemini",
+            "shard_param_frac": 1.0,
+            "placement_policy": "static",
+            "offload_optim_frac": 1.0,
+            "offload_param_frac": 1.0,
+            "force_outputs_fp32": True,
+            "min_chunk_size_m": 64,
+        },
+    }
+
+
+def test_planner_placement_matches_what_zero_allocates(tiny_sd, image_folder, tmp_path):
+    """The planner's byte arithmetic for ZeRO + CPU offload against the optimizer of a real run."""
+    from ldm.memory import place, plan_training_step
+
+    record = tmp_path / "bytes.json"
+    extra = [
+        "lightning.trainer.precision=16-mixed",
+        "lightning.trainer.max_steps=1",
+        "lightning.callbacks.rec.target=tests.helpers.RecordZeroBytes",
+        f"lightning.callbacks.rec.params.path={record}",
+    ]
+    argv = args(tiny_sd, image_folder, tmp_path / "logs", *extra)
+    assert main(argv) == 0
+    real = json.loads(record.read_text())
+    cfg, _ = load_config([SD_FOLDER], [a for a in argv if "=" in a and not a.startswith("-")])
+    placement = place(plan_training_step(cfg), cfg)
+    rows = {(part, state, device): b for part, state, device, b in placement.rows}
+    assert real["master_device"] == "cpu"
+    assert rows[("unet", "master weights (fp32)", "cpu")] == real["master"]
+    assert rows[("unet", "Adam moments (fp32)", "cpu")] == real["moments"]
+    assert rows[("unet", "weights (working)", "gpu")] == real["working"]

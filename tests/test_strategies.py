@@ -1,0 +1,59 @@
+"""Strategy config that needs no Colossal-AI: old configs' strategy blocks, and the error without it."""
+
+import importlib.util
+
+import pytest
+
+from ldm.config import ConfigError, check_config, load_config
+from ldm.strategies import TARGET, translate_legacy_strategy
+from tests.helpers import SD_FOLDER
+
+
+def test_old_placement_policies_become_gemini_static_offload():
+    old = {"target": "pytorch_lightning.strategies.ColossalAIStrategy", "params": {"placement_policy": "cuda"}}
+    assert translate_legacy_strategy(old) == {
+        "target": TARGET,
+        "params": {
+            "plugin": "gemini",
+            "placement_policy": "static",
+            "offload_optim_frac": 0.0,
+            "offload_param_frac": 0.0,
+        },
+    }
+    auto = translate_legacy_strategy(
+        {"target": "x", "params": {"placement_policy": "auto", "chunk_search_range": 2**26}}
+    )
+    assert auto["params"] == {"plugin": "gemini", "placement_policy": "auto", "search_range_m": 64}
+    kept = translate_legacy_strategy({"target": "x", "params": {"initial_scale": 1024, "hysteresis": 3}})
+    assert kept["params"] == {"plugin": "gemini", "initial_scale": 1024, "hysteresis": 3}
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"use_chunk": False}, r"params\.use_chunk: Gemini always manages parameters in chunks; remove use_chunk"),
+        ({"placement_policy": "gpu"}, r"params\.placement_policy: got 'gpu'; valid: 'cuda', 'cpu', 'auto'"),
+        ({"chunk_search_n_grids": 4}, r"params\.chunk_search_n_grids: Colossal-AI no longer has this setting"),
+        ({"stage": 3}, r"params\.stage: not a parameter of the old ColossalAIStrategy"),
+    ],
+)
+def test_old_settings_without_an_equivalent_say_what_to_write(params, message):
+    with pytest.raises(ConfigError, match=r"^lightning\.trainer\.strategy\." + message):
+        translate_legacy_strategy({"target": "lightning.pytorch.strategies.ColossalAIStrategy", "params": params})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("colossalai") is not None, reason="Colossal-AI is installed here")
+def test_the_strategy_without_colossalai_says_how_to_install_it(tmp_path):
+    cfg, sources = load_config(
+        [SD_FOLDER],
+        [
+            f"model.params.pretrained={tmp_path}",
+            f"data.params.root={tmp_path}",
+            "lightning.trainer.strategy={target: ldm.strategies.ColossalAIStrategy, params: {plugin: zero}}",
+        ],
+    )
+    with pytest.raises(
+        ConfigError, match=r"^lightning\.trainer\.strategy\.target \(command line\): cannot import"
+    ) as err:
+        check_config(cfg, sources)
+    assert "pip install -e .[colossalai]" in str(err.value) and "torch<=2.5.1" in str(err.value)
