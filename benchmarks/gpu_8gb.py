@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,35 +99,52 @@ def run(name: str, preset: str, overrides: list[str], steps: int, logdir: Path) 
     return result
 
 
+PLAIN = [  # Lightning's default strategy (one-GPU DDP), AMP fp16 and torch AdamW: the usual recipe
+    "lightning.trainer.strategy=auto",
+    "model.params.optimizer.target=torch.optim.AdamW",
+    "lightning.trainer.precision=16-mixed",
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cap-gib", type=float, default=8.0)
     parser.add_argument("--preset", default=str(REPO / "configs" / "finetune" / "sd15-8gb.yaml"))
+    parser.add_argument("--only", choices=("colossalai", "plain"), help="run one side in this process (internal)")
+    parser.add_argument("--workdir", type=Path, help="weights and images made by the parent run (internal)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_8gb.py needs a CUDA GPU")
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
-    print(f"{torch.cuda.get_device_name(0)}: capped at {args.cap_gib:g} GiB of {total / GIB:.0f} GiB", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        common = [
-            f"model.params.pretrained={random_sd15(tmp / 'sd15')}",
-            f"data.params.root={random_images(tmp / 'images')}",
+    if args.only:  # one side per process, so the other side's allocations cannot count against it
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
+        overrides = [
+            f"model.params.pretrained={args.workdir / 'sd15'}",
+            f"data.params.root={args.workdir / 'images'}",
             "data.params.num_workers=2",
             "lightning.trainer.accumulate_grad_batches=1",
             "lightning.modelcheckpoint.params.every_n_train_steps=100000",
+            *(PLAIN if args.only == "plain" else []),
         ]
-        ours = run("colossalai", args.preset, common, args.steps, tmp / "logs")
-        plain = [
-            "lightning.trainer.strategy=auto",
-            "model.params.optimizer.target=torch.optim.AdamW",
-            "lightning.trainer.precision=16-mixed",
-        ]
-        baseline = run("plain", args.preset, [*common, *plain], args.steps, tmp / "logs")
-    headline = {"cap_gib": args.cap_gib, "ours": ours, "plain": baseline}
-    print(json.dumps(headline))
+        run(args.only, args.preset, overrides, args.steps, args.workdir / "logs")
+        return
+    name, total = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
+    print(f"{name}: each run capped at {args.cap_gib:g} GiB of {total / GIB:.0f} GiB", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        random_sd15(work / "sd15")
+        random_images(work / "images")
+        for side in ("colossalai", "plain"):
+            command = [sys.executable, __file__, "--only", side, "--workdir", str(work), "--steps", str(args.steps),
+                       "--cap-gib", str(args.cap_gib), "--preset", args.preset]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith('{"run"')]
+            results[side] = json.loads(lines[-1]) if lines else {"run": side, "status": f"exit {done.returncode}"}
+            if not lines:
+                print(done.stderr[-3000:], file=sys.stderr)
+    print(json.dumps({"cap_gib": args.cap_gib, "steps": args.steps, **results}))
 
 
 if __name__ == "__main__":

@@ -176,6 +176,11 @@ def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> N
     model.run_config = to_plain(cfg)
     datamodule = instantiate(cfg.data, "data")
     trainer = build_trainer(cfg, run_dir, uses_our_sampler=isinstance(datamodule, DataModule))
+    if resumed and resumed.ckpt.is_dir() and not hasattr(trainer.strategy, "booster"):
+        raise ConfigError(
+            f"-r {resumed.ckpt}: a ColossalAIStrategy checkpoint folder; resume it with that strategy "
+            "(lightning.trainer.strategy), or export it with scripts/export_diffusers.py and fine-tune from there"
+        )
     if trainer.is_global_zero:
         OmegaConf.save(cfg, run_dir / "configs" / "project.yaml")
         log.info("run folder: %s", run_dir)

@@ -110,3 +110,56 @@ def apply() -> None:
     _patch_accelerator()
     _patch_cpu_adam()
     _applied = True
+
+
+class MemoryDisk:
+    """A stand-in for tensornvme's `DiskOffloader` (which needs liburing, unavailable here): the "disk"
+    is a dict of copies keyed, like the real one, by the tensor's id. As with the real offloader,
+    writing frees the tensor's storage and reading restores it, so code that forgets to read an
+    offloaded state back finds an empty tensor."""
+
+    writes = 0
+
+    def __init__(self, path: str, n_entries: int = 8, backend: str = "aio") -> None:
+        self.disk: dict[int, object] = {}
+
+    def sync_write(self, tensor) -> None:
+        assert tensor.untyped_storage().size() > 0, "writing a tensor that is already offloaded"
+        self.disk[id(tensor)] = tensor.detach().clone()
+        tensor.untyped_storage().resize_(0)
+        MemoryDisk.writes += 1
+
+    def sync_read(self, tensor) -> None:
+        if tensor.untyped_storage().size() == 0:
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        tensor.copy_(self.disk[id(tensor)])
+
+    def async_write(self, tensor, callback=None) -> None:
+        self.sync_write(tensor)
+        if callback is not None:
+            callback()
+
+    def async_read(self, tensor, callback=None) -> None:
+        self.sync_read(tensor)
+        if callback is not None:
+            callback()
+
+    def sync_read_events(self) -> None:
+        pass
+
+    def sync_write_events(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def memory_tensornvme() -> dict[str, object]:
+    """Modules to put in `sys.modules` so Colossal-AI's NVMe optimizer offloads into `MemoryDisk`."""
+    import types
+
+    package, native = types.ModuleType("tensornvme"), types.ModuleType("tensornvme._C")
+    package.DiskOffloader = MemoryDisk
+    native.get_backends = lambda: {"aio"}
+    package._C = native
+    return {"tensornvme": package, "tensornvme._C": native}

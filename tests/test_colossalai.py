@@ -6,8 +6,11 @@ Gemini cannot run without CUDA (see ../shared/FACTS.md); its config checks are t
 training is checked by `benchmarks/gpu_8gb.py` on a GPU.
 """
 
+import importlib.util
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ from ldm.config import ConfigError, check_config, load_config  # noqa: E402
 from main import main  # noqa: E402
 from tests import colossalai_cpu  # noqa: E402
 from tests.helpers import SD_FOLDER, finetune_args  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 colossalai_cpu.apply()
 
@@ -261,3 +266,94 @@ def test_planner_placement_matches_what_zero_allocates(tiny_sd, image_folder, tm
     assert rows[("unet", "master weights (fp32)", "cpu")] == real["master"]
     assert rows[("unet", "Adam moments (fp32)", "cpu")] == real["moments"]
     assert rows[("unet", "weights (working)", "gpu")] == real["working"]
+
+
+@pytest.mark.parametrize("preset", ["sd15-8gb", "sd2-base-8gb", "sd15-24gb", "sd15-nvme"])
+def test_presets_pass_the_config_checks(preset, tmp_path):
+    overrides = [f"model.params.pretrained={REPO / 'configs' / 'models' / 'sd15'}", f"data.params.root={tmp_path}"]
+    if preset == "sd15-nvme":
+        overrides.append(f"model.params.optimizer.params.nvme_offload_dir={tmp_path}")
+    cfg, sources = load_config([REPO / "configs" / "finetune" / f"{preset}.yaml"], overrides)
+    if preset == "sd15-nvme" and importlib.util.find_spec("tensornvme") is None:
+        with pytest.raises(ConfigError, match="needs the tensornvme package"):
+            check_config(cfg, sources)
+    else:
+        check_config(cfg, sources)
+
+
+def test_nvme_offload_trains_saves_and_resumes_like_memory(tiny_sd, image_folder, tmp_path, monkeypatch):
+    """HybridAdam with every Adam moment offloaded (to a dict standing in for the NVMe disk) learns the same
+    weights as without offload, and its checkpoints hold the real moments, through a save and a resume."""
+    for name, module in colossalai_cpu.memory_tensornvme().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    common = ["lightning.trainer.precision=32-true", "model.params.lr_warmup_steps=0",
+              "lightning.callbacks.image_logger.params.every_n_steps=100"]  # fmt: skip
+    nvme = ["model.params.optimizer.params.nvme_offload_fraction=1.0",
+            f"model.params.optimizer.params.nvme_offload_dir={tmp_path / 'nvme'}"]  # fmt: skip
+
+    def train(logdir, *extra):
+        assert (
+            main(args(tiny_sd, image_folder, tmp_path / logdir, *common, *extra, "lightning.trainer.max_steps=2")) == 0
+        )
+        assert (
+            main(
+                args(
+                    tiny_sd,
+                    image_folder,
+                    tmp_path / logdir,
+                    *common,
+                    *extra,
+                    "lightning.trainer.max_steps=4",
+                    "-r",
+                    "auto",
+                )
+            )
+            == 0
+        )
+        (run_dir,) = (tmp_path / logdir).iterdir()
+        return run_dir / "checkpoints" / "last.ckpt"
+
+    writes = colossalai_cpu.MemoryDisk.writes
+    offloaded = train("nvme", *nvme)
+    assert colossalai_cpu.MemoryDisk.writes > writes, "the Adam moments went to the stand-in disk"
+    in_memory = train("memory")
+    a, b = load_checkpoint(offloaded)["state_dict"], load_checkpoint(in_memory)["state_dict"]
+    for name in (k for k in b if k.startswith("unet.")):
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
+    optimizer_files = sorted(p.name for p in (in_memory / "optimizer").glob("*.bin"))
+    for file in optimizer_files:
+        saved_a = torch.load(offloaded / "optimizer" / file, weights_only=True)
+        saved_b = torch.load(in_memory / "optimizer" / file, weights_only=True)
+        assert _close(saved_a, saved_b), f"optimizer/{file}: offloaded moments were not saved as they are"
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7)
+    return a == b
+
+
+def test_gemini_plugin_is_built_from_the_strategy_and_trainer_settings():
+    """Gemini cannot train on a CPU, but its plugin can be built: every option reaches GeminiPlugin."""
+    from types import SimpleNamespace
+
+    from colossalai.booster.plugin import GeminiPlugin
+
+    from ldm.strategies import ColossalAIPrecision, ColossalAIStrategy
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    strategy = ColossalAIStrategy(plugin="gemini", offload_optim_frac=1.0, offload_param_frac=0.5, hidden_dim=320)
+    strategy.precision_plugin = ColossalAIPrecision("16-mixed")
+    trainer = SimpleNamespace(gradient_clip_val=1.0, accumulate_grad_batches=4)
+    plugin = strategy._make_plugin(trainer)
+    assert isinstance(plugin, GeminiPlugin)
+    config = plugin.gemini_config
+    assert (config["offload_optim_frac"], config["offload_param_frac"], config["hidden_dim"]) == (1.0, 0.5, 320)
+    assert config["placement_policy"] == "static" and config["mixed_precision"] == torch.float16
+    assert config["enable_gradient_accumulation"] is True
+    assert plugin.optim_kwargs["max_norm"] == 1.0 and plugin.optim_kwargs["initial_scale"] == 2**16

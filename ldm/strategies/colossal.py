@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import shutil
+import types
 from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -145,11 +147,8 @@ class ColossalAIStrategy(DDPStrategy):
         checkpoint_shard_mb: int = 1024,
         process_group_backend: str | None = None,
         timeout_minutes: float = 30,
-        **lightning_kwargs: Any,
     ) -> None:
-        super().__init__(
-            process_group_backend=process_group_backend, timeout=timedelta(minutes=timeout_minutes), **lightning_kwargs
-        )
+        super().__init__(process_group_backend=process_group_backend, timeout=timedelta(minutes=timeout_minutes))
         for name, value in {
             "shard_param_frac": shard_param_frac,
             "offload_optim_frac": offload_optim_frac,
@@ -310,8 +309,7 @@ class ColossalAIStrategy(DDPStrategy):
                 max_norm=max_norm,
                 enable_gradient_accumulation=trainer.accumulate_grad_batches > 1,
             )
-        scaler = {k: v for k, v in self.scaler_options.items()}
-        return LowLevelZeroPlugin(**self.zero_options, **scaler, precision=precision, max_norm=max_norm)
+        return LowLevelZeroPlugin(**self.zero_options, **self.scaler_options, precision=precision, max_norm=max_norm)
 
     @property
     def handles_gradient_accumulation(self) -> bool:
@@ -381,7 +379,10 @@ class ColossalAIStrategy(DDPStrategy):
             self._restore_master_weights(path / COLOSSAL_FILES["master"])
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting and self.optimizers and (path / COLOSSAL_FILES["optimizer"]).exists():
-            self.booster.load_optimizer(_unwrap(self.optimizers[0]), str(path / COLOSSAL_FILES["optimizer"]))
+            inner = self._nvme_optimizer()
+            with _plain_state_dict(inner) if inner is not None else contextlib.nullcontext():
+                self.booster.load_optimizer(_unwrap(self.optimizers[0]), str(path / COLOSSAL_FILES["optimizer"]))
+            self._offload_loaded_states_to_nvme()
         return torch.load(path / COLOSSAL_FILES["trainer"], map_location="cpu", weights_only=True)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -431,24 +432,53 @@ class ColossalAIStrategy(DDPStrategy):
             padded = torch.nn.functional.pad(flat, (0, shard.numel() * world - flat.numel()))
             shard.data.copy_(padded.chunk(world)[rank].to(shard.device, shard.dtype))
 
+    def _nvme_optimizer(self) -> Any:
+        """The HybridAdam / CPUAdam under the wrappers, if it offloads states to NVMe."""
+        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
+        inner = getattr(optimizer, "optim", optimizer)
+        return inner if getattr(inner, "offloader", None) is not None else None
+
+    @staticmethod
+    def _state_tensors(inner: Any, param: torch.Tensor) -> list[torch.Tensor]:
+        return [t for t in inner.state[param].values() if torch.is_tensor(t) and t.dim() > 0]
+
     @contextlib.contextmanager
     def _nvme_states_in_memory(self) -> Generator[None, None, None]:
         """Bring optimizer states offloaded to NVMe back into memory while they are saved, then offload again."""
-        optimizer = _unwrap(self.optimizers[0])
-        inner = getattr(optimizer, "optim", optimizer)
-        offloader = getattr(inner, "offloader", None)
-        if offloader is None:
+        inner = self._nvme_optimizer()
+        if inner is None:
             yield
             return
         on_disk = [p for p, offloaded in inner.is_on_nvme.items() if offloaded and inner.state.get(p)]
-        tensors = [t for p in on_disk for t in inner.state[p].values() if torch.is_tensor(t) and t.dim() > 0]
+        tensors = [t for p in on_disk for t in self._state_tensors(inner, p)]
         for tensor in tensors:
-            offloader.sync_read(tensor)
+            inner.offloader.sync_read(tensor)
         try:
-            yield
+            with _plain_state_dict(inner):
+                yield
         finally:
             for tensor in tensors:
-                offloader.sync_write(tensor)
+                inner.offloader.sync_write(tensor)
+
+    def _offload_loaded_states_to_nvme(self) -> None:
+        """Put loaded optimizer states where a running optimizer keeps them: on NVMe, up to its fraction.
+
+        Colossal-AI's NVMe optimizer only registers a parameter's states for offload when it creates
+        them in its first step; states loaded from a checkpoint would otherwise stay unregistered and
+        its next step fails looking them up."""
+        inner = self._nvme_optimizer()
+        if inner is None:
+            return
+        if inner.total_numel is None:
+            inner.total_numel = inner._get_numel()
+            inner.can_offload_numel = math.floor(inner.total_numel * inner.nvme_offload_fraction)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if inner.state.get(param) and param not in inner.is_on_nvme:
+                    inner._post_state_init(param)
+                    if inner.is_on_nvme[param]:
+                        for tensor in self._state_tensors(inner, param):
+                            inner.offloader.sync_write(tensor)
 
     def teardown(self) -> None:
         """Release the plugin's process groups; the wrapped model stays where the plugin put it."""
@@ -457,6 +487,20 @@ class ColossalAIStrategy(DDPStrategy):
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
         self.booster = None
+
+
+@contextlib.contextmanager
+def _plain_state_dict(optimizer: Optimizer) -> Generator[None, None, None]:
+    """Let an NVMe optimizer be saved and loaded like any torch optimizer while its states are in memory.
+
+    Colossal-AI's NVMeOptimizer refuses `state_dict` / `load_state_dict` outright (its states may be
+    on disk); the booster's checkpoint I/O calls them."""
+    optimizer.state_dict = types.MethodType(Optimizer.state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(Optimizer.load_state_dict, optimizer)
+    try:
+        yield
+    finally:
+        del optimizer.state_dict, optimizer.load_state_dict
 
 
 def _leave_hooks(self: Any) -> None:
