@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ from ldm.checkpoint import COLOSSAL_FILES
 from ldm.config import ConfigError, Sources, check_config, instantiate, load_config, to_plain
 
 log = logging.getLogger("ldm")
+
+# Every rank of one run writes to one folder: the first names it, the ranks it launches read it here.
+# With an external launcher (torchrun, SLURM) set it yourself to give all ranks the same folder.
+RUN_DIR_ENV = "LDM_RUN_DIR"
 
 # ModelCheckpoint writes `last.ckpt` every N steps, at a batch end, so a resume continues mid-epoch
 # exactly; FinalCheckpoint writes it when training stops. Lightning's own `save_last` would also save at
@@ -154,14 +159,20 @@ def train(
     cfg, _ = prepare_config(list(bases), list(overrides), resumed)
     if resumed:
         run_dir = resumed.run_dir
+    elif os.environ.get(RUN_DIR_ENV):  # another rank of a run whose first rank named the folder
+        run_dir = Path(os.environ[RUN_DIR_ENV])
     else:
         name = name or Path(bases[0]).stem
         run_dir = logdir / f"{time.strftime('%Y-%m-%dT%H-%M-%S')}_{name}"
     (run_dir / "configs").mkdir(parents=True, exist_ok=True)
     handler = _log_to_file(run_dir)
+    inherited = RUN_DIR_ENV in os.environ
+    os.environ[RUN_DIR_ENV] = str(run_dir)  # the processes Lightning starts for the other ranks inherit it
     try:
         _fit(cfg, run_dir, seed, resumed)
-    finally:  # a second run in the same process must not write into this run's log
+    finally:  # a second run in the same process must not write into this run's folder or log
+        if not inherited:
+            del os.environ[RUN_DIR_ENV]
         for name in LOGGERS:
             logging.getLogger(name).removeHandler(handler)
         handler.close()

@@ -357,3 +357,33 @@ def test_gemini_plugin_is_built_from_the_strategy_and_trainer_settings():
     assert config["placement_policy"] == "static" and config["mixed_precision"] == torch.float16
     assert config["enable_gradient_accumulation"] is True
     assert plugin.optim_kwargs["max_norm"] == 1.0 and plugin.optim_kwargs["initial_scale"] == 2**16
+
+
+@pytest.mark.slow
+def test_two_processes_shard_save_gather_and_resume(tiny_sd, tmp_path):
+    """ZeRO-2 over 2 CPU processes (gloo): masters are gathered whole, and a resume continues (about 2 min)."""
+    import subprocess
+
+    from tests.conftest import write_images
+
+    images = write_images(tmp_path / "images", n=8)
+    strategy = ZERO.replace("cpu_offload: true, ", "")
+    argv = args(tiny_sd, images, tmp_path / "logs", strategy, "lightning.trainer.accelerator=cpu",
+                "lightning.trainer.devices=2", "lightning.callbacks.image_logger=null")  # fmt: skip
+    script = [sys.executable, str(REPO / "tests" / "colossalai_cpu.py")]
+    for steps, resume in ((2, []), (4, ["-r", "auto"])):
+        done = subprocess.run([*script, *argv, f"lightning.trainer.max_steps={steps}", *resume], cwd=REPO)
+        assert done.returncode == 0
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    folder = run_dir / "checkpoints" / "last.ckpt"
+    ckpt = load_checkpoint(folder)
+    # 8 images, batch 2, 2 ranks: 2 steps an epoch, so step 4 ends epoch 1
+    assert ckpt["global_step"] == 4
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 1, "batches_done": 2}]
+    masters = load_file(folder / COLOSSAL_FILES["master"])
+    working = {}
+    for shard in (folder / "model").glob("*.safetensors"):
+        working.update(load_file(shard))
+    before = load_file(tiny_sd / "unet" / "diffusion_pytorch_model.safetensors")
+    assert {k: v.shape for k, v in masters.items()} == {f"unet.{k}": v.shape for k, v in before.items()}
+    assert all(torch.equal(masters[k].bfloat16(), working[k]) for k in masters), "each rank's shard in its place"
