@@ -10,6 +10,7 @@ import torch
 
 from ldm.config import import_target
 from ldm.models.parts import Parts, module_from_config
+from ldm.tokenizers import write_slow_tokenizer_files
 
 MODULE_PARTS = ("unet", "vae", "text_encoder")
 # A checkpoint written by ldm.strategies.ColossalAIStrategy is a folder with these entries.
@@ -99,6 +100,18 @@ def _load_folder(path: Path) -> dict:
     return ckpt
 
 
+def _same_layout(state: dict, module: torch.nn.Module, prefix: str = "text_model.") -> dict:
+    """Keys as `module` names them: transformers >= 5.6 dropped CLIPTextModel's `text_model.` level, so a
+    checkpoint trained under one transformers version names the text encoder's weights differently
+    from the other."""
+    own = list(module.state_dict())
+    if own and all(k.startswith(prefix) for k in own) and not any(k.startswith(prefix) for k in state):
+        return {prefix + k: v for k, v in state.items()}
+    if own and not any(k.startswith(prefix) for k in own):
+        return {k.removeprefix(prefix): v for k, v in state.items()}
+    return state
+
+
 def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
     """Rebuild the parts saved in a checkpoint, with its trained weights (or its EMA weights)."""
     from accelerate import init_empty_weights
@@ -114,11 +127,13 @@ def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
         with init_empty_weights():
             module = module_from_config(import_target(described[name]["class"]), described[name]["config"])
         prefix = f"{name}."
-        module.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, assign=True)
+        part_state = _same_layout({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, module)
+        module.load_state_dict(part_state, assign=True)
         built[name] = module.float().eval()  # parts trained or frozen in half precision come back as fp32
     built["scheduler"] = import_target(described["scheduler"]["class"]).from_config(described["scheduler"]["config"])
     with tempfile.TemporaryDirectory() as tmp:
         for filename, text in described["tokenizer"]["files"].items():
             (Path(tmp) / filename).write_text(text)
+        write_slow_tokenizer_files(tmp)  # a checkpoint saved under transformers 5 has tokenizer.json only
         built["tokenizer"] = import_target(described["tokenizer"]["class"]).from_pretrained(tmp)
     return Parts(**built)

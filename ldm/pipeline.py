@@ -11,6 +11,7 @@ from PIL import Image, ImageDraw
 
 from ldm.checkpoint import load_checkpoint, parts_from_checkpoint
 from ldm.models.parts import Parts
+from ldm.tokenizers import write_both_tokenizer_forms
 
 SAMPLERS = {
     "ddim": "DDIMScheduler",
@@ -67,9 +68,36 @@ def export_pipeline(ckpt_path: str | Path, out_dir: str | Path, ema: bool = Fals
     pipe = build_pipeline(parts_from_checkpoint(ckpt, ema=ema), sampler)
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
+    make_portable(out_dir)
     if ckpt["ldm"].get("config"):
         (out_dir / "ldm_config.json").write_text(json.dumps(ckpt["ldm"]["config"], indent=2))
     return out_dir
+
+
+TEXT_MODEL_PREFIX = "text_model."
+
+
+def make_portable(folder: str | Path) -> Path:
+    """Make a diffusers SD folder load the same under transformers 4.51 and 5.
+
+    transformers >= 5.6 writes the CLIP text encoder's weights without their `text_model.` prefix
+    and the tokenizer as `tokenizer.json` only; transformers 4.51 then leaves the text encoder
+    silently random and cannot build the tokenizer. Both versions read the older weight layout, so
+    this restores the prefix; and it writes both tokenizer forms, each made from the other.
+    """
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    for weights in sorted((folder / "text_encoder").glob("*.safetensors")):
+        state = load_file(str(weights))
+        config = json.loads((folder / "text_encoder" / "config.json").read_text())
+        if "CLIPTextModel" in config.get("architectures", []) and not all(
+            k.startswith(TEXT_MODEL_PREFIX) for k in state
+        ):
+            state = {k if k.startswith(TEXT_MODEL_PREFIX) else TEXT_MODEL_PREFIX + k: v for k, v in state.items()}
+            save_file(state, str(weights), metadata={"format": "pt"})
+    write_both_tokenizer_forms(folder / "tokenizer")
+    return folder
 
 
 def image_grid(images: list[Image.Image], rows: int, labels: list[str] | None = None) -> Image.Image:

@@ -117,3 +117,33 @@ def write_clip_tokenizer(out_dir: str | Path, model_max_length: int = 77) -> Non
     (out / "tokenizer.json").unlink(missing_ok=True)
     fast = CLIPTokenizerFast.from_pretrained(str(out))
     fast.backend_tokenizer.save(str(out / "tokenizer.json"))
+
+
+def write_both_tokenizer_forms(folder: str | Path) -> None:
+    """A CLIP tokenizer folder with both the slow files (`vocab.json`, `merges.txt`) and `tokenizer.json`.
+
+    transformers >= 5.6 saves only `tokenizer.json` and transformers 4.x's slow `CLIPTokenizer` needs
+    the other two; a folder saved by 4.x has no `tokenizer.json`. Each form is made from the other."""
+    folder = Path(folder)
+    write_slow_tokenizer_files(folder)
+    if (folder / "vocab.json").is_file() and not (folder / "tokenizer.json").is_file():
+        from transformers import CLIPTokenizerFast
+
+        CLIPTokenizerFast.from_pretrained(str(folder)).backend_tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def write_slow_tokenizer_files(folder: str | Path) -> None:
+    """Write `vocab.json` and `merges.txt` from a BPE `tokenizer.json` where they are missing.
+
+    transformers >= 5.6 saves only `tokenizer.json`; the slow `CLIPTokenizer` of transformers 4.x
+    needs the two files."""
+    folder = Path(folder)
+    fast = folder / "tokenizer.json"
+    if not fast.is_file() or (folder / "vocab.json").is_file():
+        return
+    model = json.loads(fast.read_text(encoding="utf-8"))["model"]
+    if model.get("type") != "BPE":
+        return
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    _write_json(folder / "vocab.json", model["vocab"])
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")

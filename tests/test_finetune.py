@@ -80,6 +80,51 @@ def test_export_loads_in_diffusers_with_exactly_the_trained_weights(run, tmp_pat
     assert image.size == (16, 16)
 
 
+IDS = "49406,320,1125,539,320,2368,49407"  # "a photo of a cat" in the SD 1.x CLIP tokenizer
+CHECK_EXPORT = """
+import sys, torch
+from safetensors.torch import load_file
+from transformers import CLIPTextModel, CLIPTokenizer
+from ldm.checkpoint import load_checkpoint
+folder, ckpt = sys.argv[1], load_checkpoint(sys.argv[2])
+def plain(state, prefix=""):  # the text_model. level exists in transformers 4, not in 5
+    return {k[len(prefix):].removeprefix("text_model."): v for k, v in state.items() if k.startswith(prefix)}
+model = plain(CLIPTextModel.from_pretrained(folder + "/text_encoder").state_dict())
+saved = plain(ckpt["state_dict"], "text_encoder.")
+assert all(torch.equal(model[k], v) for k, v in saved.items()) and len(model) == len(saved), "text encoder differs"
+ids = CLIPTokenizer.from_pretrained(folder + "/tokenizer")("a photo of a cat").input_ids
+assert ids == [int(i) for i in sys.argv[3].split(",")], f"tokenizer differs: {ids}"
+print("export ok")
+"""
+
+
+def test_export_loads_the_same_under_transformers_4_and_5(run, tmp_path):
+    """The layout both read: `text_model.`-prefixed text encoder weights, slow and fast tokenizer files.
+    Where the other supported stack is installed too (CI's second run), each side reads the other's export."""
+    import subprocess
+    import sys
+
+    from ldm.pipeline import export_pipeline
+
+    ckpt = run / "checkpoints" / "last.ckpt"
+    here = export_pipeline(ckpt, tmp_path / "here")
+    assert all(k.startswith("text_model.") for k in load_file(here / "text_encoder" / "model.safetensors"))
+    assert {"vocab.json", "merges.txt", "tokenizer.json"} <= {p.name for p in (here / "tokenizer").iterdir()}
+    subprocess.run([sys.executable, "-c", CHECK_EXPORT, str(here), str(ckpt), IDS], check=True, cwd=REPO)
+    in_compat = Path(sys.prefix).name == ".venv-compat"
+    other = REPO / (".venv" if in_compat else ".venv-compat") / "bin" / "python"
+    if not other.is_file():
+        pytest.skip(f"{other} is not installed: nothing to cross-check against")
+    there = tmp_path / "there"
+    export = f"from ldm.pipeline import export_pipeline; export_pipeline({str(ckpt)!r}, {str(there)!r})"
+    subprocess.run([str(other), "-c", export], check=True, cwd=REPO)
+    for python, folder in ((sys.executable, there), (str(other), here)):
+        done = subprocess.run(
+            [python, "-c", CHECK_EXPORT, str(folder), str(ckpt), IDS], capture_output=True, text=True, cwd=REPO
+        )
+        assert done.returncode == 0 and "export ok" in done.stdout, done.stderr[-2000:]
+
+
 def test_export_script_and_txt2img(run, tmp_path):
     import subprocess
     import sys

@@ -7,6 +7,7 @@ from pathlib import Path
 from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
+from ldm.pipeline import make_portable
 from ldm.tokenizers import VOCAB_SIZE, write_clip_tokenizer
 
 TINY_UNET = dict(
@@ -73,4 +74,4 @@ def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: i
         requires_safety_checker=False,
     )
     pipe.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return make_portable(out_dir)
