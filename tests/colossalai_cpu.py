@@ -13,6 +13,9 @@ Colossal-AI 0.5 targets CUDA. On a CPU, as shipped (see ../shared/FACTS.md):
    headers that map `__half` to `c10::Half`, and hand the module to `CPUAdamLoader`.
 
 None of this is needed, or used, on a CUDA machine. `apply()` is idempotent.
+
+Also here: `MemoryDisk`, an in-memory stand-in for `tensornvme`'s offloader (which does not build
+offline), and a `__main__` that runs main.py with the patches, for multi-process runs.
 """
 
 from __future__ import annotations
