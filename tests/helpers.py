@@ -23,6 +23,15 @@ def finetune_args(tiny_sd, images, logdir, *extra) -> list[str]:
     ]  # fmt: skip
 
 
+def train_once(argv: list[str], logdir: Path) -> Path:
+    """Run main.py with `argv`, which must succeed, and return the one run folder it made in `logdir`."""
+    from main import main
+
+    assert main(argv) == 0
+    (run_dir,) = logdir.iterdir()
+    return run_dir
+
+
 class RecordCaptions(pl.Callback):
     """Append the captions of every training batch to a file, one JSON line per batch."""
 

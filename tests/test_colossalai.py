@@ -22,7 +22,7 @@ from ldm.checkpoint import COLOSSAL_FILES, load_checkpoint  # noqa: E402
 from ldm.config import ConfigError, check_config, load_config  # noqa: E402
 from main import main  # noqa: E402
 from tests import colossalai_cpu  # noqa: E402
-from tests.helpers import SD_FOLDER, finetune_args  # noqa: E402
+from tests.helpers import SD_FOLDER, finetune_args, train_once  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,9 +49,7 @@ def args(tiny_sd, images, logdir, *extra):
 @pytest.fixture(scope="module")
 def run(tiny_sd, image_folder, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("zero-logs")
-    assert main(args(tiny_sd, image_folder, logdir)) == 0
-    (run_dir,) = logdir.iterdir()
-    return run_dir
+    return train_once(args(tiny_sd, image_folder, logdir), logdir)
 
 
 def test_checkpoint_is_a_booster_folder(run):
@@ -137,9 +135,7 @@ def test_export_from_the_folder(run, tmp_path):
 
 
 def unet_after(logdir, argv) -> dict[str, torch.Tensor]:
-    assert main(argv) == 0
-    (run_dir,) = logdir.iterdir()
-    state = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    state = load_checkpoint(train_once(argv, logdir) / "checkpoints" / "last.ckpt")["state_dict"]
     return {k: v.float() for k, v in state.items() if k.startswith("unet.")}
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from ldm.checkpoint import load_checkpoint
 from ldm.config import ConfigError
 from main import main
-from tests.helpers import finetune_args
+from tests.helpers import finetune_args, train_once
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,9 +21,7 @@ args = finetune_args
 @pytest.fixture(scope="module")
 def run(tiny_sd, image_folder, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("logs")
-    assert main(args(tiny_sd, image_folder, logdir)) == 0
-    (run_dir,) = logdir.iterdir()
-    return run_dir
+    return train_once(args(tiny_sd, image_folder, logdir), logdir)
 
 
 def test_run_folder_layout(run):
