@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -65,17 +66,30 @@ def load_checkpoint(path: str | Path) -> dict:
         return _load_folder(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    ckpt = _torch_load(path)
+    ckpt = load_pickle(path)
     if not isinstance(ckpt, dict) or "ldm" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{path}: not an ldm checkpoint (no 'ldm' and 'state_dict' entries); was it made by main.py?")
     return ckpt
 
 
-def _torch_load(path: Path) -> Any:
+def load_pickle(path: str | Path, trust: bool = False) -> Any:
+    """`torch.load` that never runs code from the file (`weights_only`), unless `trust` is given.
+
+    A file that needs more than tensors and plain containers is refused with a message that says
+    how to convert it, once, into a safetensors file."""
+    path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=not trust)
     except Exception as err:
-        raise ValueError(f"{path}: not a readable checkpoint ({' '.join(str(err).split())[:300]})") from None
+        detail = " ".join(str(err).split())
+        if trust or "weights_only" not in detail:
+            raise ValueError(f"{path}: not a readable checkpoint ({detail[:300]})") from None
+        found = re.search(r"GLOBAL ([\w.]+)", detail)
+        raise ValueError(
+            f"{path}: refused: loading it would unpickle {found[1] if found else 'arbitrary objects'}, which can "
+            "run code. If you trust where it came from, convert it once to safetensors and use that file: "
+            f"python scripts/convert.py --src {path} --dst {path.with_suffix('.safetensors')} --trust-pickle"
+        ) from None
 
 
 def _load_folder(path: Path) -> dict:
@@ -88,7 +102,7 @@ def _load_folder(path: Path) -> dict:
             f"{path}: a folder, but not an ldm checkpoint folder (expected {COLOSSAL_FILES['trainer']} and "
             f"{COLOSSAL_FILES['model']}/*.safetensors, as ColossalAIStrategy writes them)"
         )
-    ckpt = _torch_load(trainer_state)
+    ckpt = load_pickle(trainer_state)
     state = {}
     for shard in shards:
         state.update(load_file(str(shard)))
@@ -112,24 +126,15 @@ def _same_layout(state: dict, module: torch.nn.Module, prefix: str = "text_model
     return state
 
 
-def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
-    """Rebuild the parts saved in a checkpoint, with its trained weights (or its EMA weights)."""
+def parts_from_description(described: dict) -> Parts:
+    """Parts rebuilt from `describe_parts` output: networks on the meta device (load weights with
+    `load_state_dict(..., assign=True)`), tokenizer and scheduler ready."""
     from accelerate import init_empty_weights
 
-    described = ckpt["ldm"]["parts"]
-    state = dict(ckpt["state_dict"])
-    if ema:
-        if not ckpt.get("ema_state_dict"):
-            raise ValueError("this checkpoint has no EMA weights; train with the EMA callback or drop --ema")
-        state.update(ckpt["ema_state_dict"])
     built = {}
     for name in MODULE_PARTS:
         with init_empty_weights():
-            module = module_from_config(import_target(described[name]["class"]), described[name]["config"])
-        prefix = f"{name}."
-        part_state = _same_layout({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, module)
-        module.load_state_dict(part_state, assign=True)
-        built[name] = module.float().eval()  # parts trained or frozen in half precision come back as fp32
+            built[name] = module_from_config(import_target(described[name]["class"]), described[name]["config"])
     built["scheduler"] = import_target(described["scheduler"]["class"]).from_config(described["scheduler"]["config"])
     with tempfile.TemporaryDirectory() as tmp:
         for filename, text in described["tokenizer"]["files"].items():
@@ -137,3 +142,20 @@ def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
         write_slow_tokenizer_files(tmp)  # a checkpoint saved under transformers 5 has tokenizer.json only
         built["tokenizer"] = import_target(described["tokenizer"]["class"]).from_pretrained(tmp)
     return Parts(**built)
+
+
+def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
+    """Rebuild the parts saved in a checkpoint, with its trained weights (or its EMA weights)."""
+    state = dict(ckpt["state_dict"])
+    if ema:
+        if not ckpt.get("ema_state_dict"):
+            raise ValueError("this checkpoint has no EMA weights; train with the EMA callback or drop --ema")
+        state.update(ckpt["ema_state_dict"])
+    parts = parts_from_description(ckpt["ldm"]["parts"])
+    for name in MODULE_PARTS:
+        module = getattr(parts, name)
+        prefix = f"{name}."
+        part_state = _same_layout({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, module)
+        module.load_state_dict(part_state, assign=True)
+        setattr(parts, name, module.float().eval())  # parts trained or frozen in half precision come back as fp32
+    return parts

@@ -65,13 +65,20 @@ def load_pipeline(path: str | Path, sampler: str = "ddim", ema: bool = False) ->
 def export_pipeline(ckpt_path: str | Path, out_dir: str | Path, ema: bool = False, sampler: str = "ddim") -> Path:
     """Write a checkpoint as a diffusers folder (safetensors weights, tokenizer, scheduler)."""
     ckpt = load_checkpoint(ckpt_path)
-    pipe = build_pipeline(parts_from_checkpoint(ckpt, ema=ema), sampler)
-    out_dir = Path(out_dir)
-    pipe.save_pretrained(out_dir, safe_serialization=True)
-    make_portable(out_dir)
+    out_dir = write_pipeline(parts_from_checkpoint(ckpt, ema=ema), out_dir, sampler)
     if ckpt["ldm"].get("config"):
         (out_dir / "ldm_config.json").write_text(json.dumps(ckpt["ldm"]["config"], indent=2))
     return out_dir
+
+
+def write_pipeline(parts: Parts, out_dir: str | Path, sampler: str = "ddim", half: bool = False) -> Path:
+    """Write parts as a diffusers `StableDiffusionPipeline` folder that loads under transformers 4.51 and 5."""
+    pipe = build_pipeline(parts, sampler)
+    if half:
+        pipe.to(torch.float16)
+    out_dir = Path(out_dir)
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    return make_portable(out_dir)
 
 
 TEXT_MODEL_PREFIX = "text_model."

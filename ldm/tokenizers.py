@@ -79,11 +79,12 @@ def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_clip_tokenizer(out_dir: str | Path, model_max_length: int = 77) -> None:
+def write_clip_tokenizer(out_dir: str | Path, model_max_length: int = 77, pad_token: str = EOS_TOKEN) -> None:
     """Write the SD 1.x CLIPTokenizer files (slow vocab/merges and fast tokenizer.json) offline.
 
     Files written into out_dir: vocab.json, merges.txt, special_tokens_map.json,
-    tokenizer_config.json and tokenizer.json, matching openai/clip-vit-large-patch14.
+    tokenizer_config.json and tokenizer.json, matching openai/clip-vit-large-patch14. SD 2.x uses
+    the same vocabulary and pads with "!" (`pad_token="!"`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,7 @@ def write_clip_tokenizer(out_dir: str | Path, model_max_length: int = 77) -> Non
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "unk_token": EOS_TOKEN,
-        "pad_token": EOS_TOKEN,
+        "pad_token": pad_token,
     }
     _write_json(out / "special_tokens_map.json", special_tokens)
     _write_json(

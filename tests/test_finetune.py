@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
 from ldm.checkpoint import load_checkpoint
@@ -142,6 +142,40 @@ def test_export_script_and_txt2img(run, tmp_path):
     assert bad.returncode != 0 and "checkpoint not found" in bad.stderr
 
 
+def test_export_single_file_reads_in_diffusers_as_trained(run, tiny_sd, tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = run / "checkpoints" / "last.ckpt"
+    trained = load_checkpoint(ckpt)
+    for ema, state in ((False, trained["state_dict"]), (True, trained["ema_state_dict"])):
+        out = tmp_path / f"ema-{ema}.safetensors"
+        command = [sys.executable, REPO / "scripts" / "export_single_file.py", "--ckpt", ckpt, "--out", out]
+        subprocess.run(command + ["--ema"] * ema, check=True, capture_output=True)
+        unet = UNet2DConditionModel.from_single_file(str(out), config=str(tiny_sd), subfolder="unet")
+        for name, tensor in unet.state_dict().items():
+            assert torch.equal(tensor, state[f"unet.{name}"]), name
+    assert any(k.startswith("model.diffusion_model.") for k in load_file(out))
+
+
+def test_finetune_from_an_original_single_file(tiny_sd, image_folder, tmp_path):
+    from ldm.export import convert
+
+    single = convert(tiny_sd, tmp_path / "tiny-sd.safetensors")
+    run_dir = train_once(
+        args(tiny_sd, image_folder, tmp_path / "logs", f"model.params.pretrained={single}"), tmp_path / "logs"
+    )
+    log = (run_dir / "train.log").read_text()
+    assert f"model.params.pretrained: {single}: a custom architecture (epsilon), from the file's ldm metadata" in log
+    assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 3
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    with pytest.raises(ConfigError, match="prediction_type: 'v_prediction' contradicts the pretrained weights'"):
+        LatentDiffusion(pretrained=str(single), prediction_type="v_prediction").configure_model()
+    with pytest.raises(ConfigError, match="pretrained_ema: applies to a single-file model.params.pretrained"):
+        LatentDiffusion(pretrained=str(tiny_sd), pretrained_ema=True).configure_model()
+
+
 def test_resume_continues_step_and_data_position(tiny_sd, image_folder, tmp_path):
     logdir = tmp_path / "logs"
     # 6 images, batch 2: 3 batches per epoch; stop after 4 steps, mid-way through epoch 1.
@@ -184,7 +218,7 @@ def test_prediction_type_follows_the_weights(tiny_sd):
     model.configure_model()
     assert model.prediction_type == "epsilon"
     contradicting = LatentDiffusion(pretrained=str(tiny_sd), prediction_type="v_prediction")
-    with pytest.raises(ConfigError, match="contradicts the pretrained scheduler's prediction_type 'epsilon'"):
+    with pytest.raises(ConfigError, match="contradicts the pretrained weights' prediction type 'epsilon'"):
         contradicting.configure_model()
 
 

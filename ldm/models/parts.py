@@ -7,6 +7,7 @@ transformers `CLIPTextModel` and `CLIPTokenizer`. Nothing here reaches a model h
 from __future__ import annotations
 
 import inspect
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any, TypedDict
 import torch
 
 from ldm.config import ConfigError, ExistingPath, import_target
+
+log = logging.getLogger(__name__)
 
 PART_NAMES = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 
@@ -51,11 +54,38 @@ class Parts:
     scheduler: Any
 
 
-def build_parts(pretrained: str | None = None, key: str = "model.params", **specs: Any) -> Parts:
-    """Build every part: a module passes through, a spec is built, a missing one comes from `pretrained`."""
+def build_parts(
+    pretrained: str | None = None,
+    key: str = "model.params",
+    pretrained_ema: bool = False,
+    pretrained_family: str | None = None,
+    **specs: Any,
+) -> Parts:
+    """Build every part: a module passes through, a spec is built, a missing one comes from `pretrained`.
+
+    `pretrained` is a diffusers folder or an original single file (`.safetensors` / `.ckpt`); for a
+    single file, `pretrained_ema` picks its EMA weights and `pretrained_family` says which SD 2.x it
+    is where the weights cannot tell."""
+    loaded = {}
+    if pretrained is not None and Path(pretrained).expanduser().is_file():
+        from ldm.single_file import SingleFileError, load_single_file
+
+        try:
+            parts, line = load_single_file(Path(pretrained).expanduser(), pretrained_ema, pretrained_family)
+        except SingleFileError as err:
+            raise ConfigError(f"{key}.pretrained: {err}") from None
+        log.info("%s.pretrained: %s", key, line)
+        loaded = {name: getattr(parts, name) for name in PART_NAMES}
+    elif pretrained_ema or pretrained_family:
+        option = "pretrained_ema" if pretrained_ema else "pretrained_family"
+        raise ConfigError(f"{key}.{option}: applies to a single-file {key}.pretrained (.safetensors / .ckpt) only")
     built = {}
     for name in PART_NAMES:
-        spec = part_spec(name, specs.get(name), pretrained, key)
+        spec = specs.get(name)
+        if spec is None and name in loaded:
+            built[name] = loaded[name]
+            continue
+        spec = part_spec(name, spec, pretrained, key)
         built[name] = spec if not isinstance(spec, dict) else build_part(name, spec, f"{key}.{name}")
     return Parts(**built)
 

@@ -33,6 +33,24 @@ TINY_VAE = dict(
     norm_num_groups=4,
     sample_size=16,
 )
+# The block layout of SD 1.x / 2.x (two layers per block, attention in all but the lowest level) at a
+# tiny width: every kind of key the original single-file layout has, at a few kB. 64 px images.
+SD_LAYOUT_UNET = dict(
+    TINY_UNET,
+    block_out_channels=(8, 8, 16, 16),
+    layers_per_block=2,
+    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    norm_num_groups=4,
+)
+SD_LAYOUT_VAE = dict(
+    TINY_VAE,
+    block_out_channels=(8, 8, 16, 16),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=2,
+    sample_size=64,
+)
 TINY_TEXT_ENCODER = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=32,
@@ -56,7 +74,13 @@ SD_SCHEDULE = dict(
 )
 
 
-def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
+def write_tiny_sd(
+    out_dir: str | Path,
+    prediction_type: str = "epsilon",
+    seed: int = 0,
+    unet: dict = TINY_UNET,
+    vae: dict = TINY_VAE,
+) -> Path:
     """Write a tiny SD-shaped diffusers pipeline folder (16 px images, 4x8x8 latents) with random weights."""
     import torch
 
@@ -64,10 +88,10 @@ def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: i
     out_dir = Path(out_dir)
     write_clip_tokenizer(out_dir / "tokenizer")
     pipe = StableDiffusionPipeline(
-        vae=AutoencoderKL(**TINY_VAE),
+        vae=AutoencoderKL(**vae),
         text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)),
         tokenizer=CLIPTokenizer.from_pretrained(out_dir / "tokenizer"),
-        unet=UNet2DConditionModel(**TINY_UNET),
+        unet=UNet2DConditionModel(**unet),
         scheduler=PNDMScheduler(**SD_SCHEDULE, prediction_type=prediction_type),
         safety_checker=None,
         feature_extractor=None,

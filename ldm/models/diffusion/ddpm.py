@@ -23,6 +23,8 @@ class LatentDiffusion(pl.LightningModule):
     def __init__(
         self,
         pretrained: ExistingPath | None = None,
+        pretrained_ema: bool = False,
+        pretrained_family: Literal["sd15", "sd2-base", "sd2-768-v"] | None = None,
         unet: PartSpec | torch.nn.Module | None = None,
         vae: PartSpec | torch.nn.Module | None = None,
         text_encoder: PartSpec | torch.nn.Module | None = None,
@@ -44,6 +46,7 @@ class LatentDiffusion(pl.LightningModule):
         self._specs = {"unet": unet, "vae": vae, "text_encoder": text_encoder}
         self._specs.update(tokenizer=tokenizer, scheduler=scheduler)
         self.pretrained, self.requested_prediction_type = pretrained, prediction_type
+        self.pretrained_options = {"pretrained_ema": pretrained_ema, "pretrained_family": pretrained_family}
         self.trainable = tuple(dict.fromkeys(trainable))
         self.memory_options = {
             "attention": attention,
@@ -65,7 +68,7 @@ class LatentDiffusion(pl.LightningModule):
         if self._built:
             return
         with torch.device("cpu"):
-            parts = build_parts(self.pretrained, **self._specs)
+            parts = build_parts(self.pretrained, **self.pretrained_options, **self._specs)
         self.unet, self.vae, self.text_encoder = parts.unet, parts.vae, parts.text_encoder
         self.tokenizer, self.noise_scheduler = parts.tokenizer, parts.scheduler
         self.prediction_type = _resolve_prediction_type(
@@ -163,8 +166,8 @@ def _resolve_prediction_type(scheduler: Any, requested: str | None, pretrained: 
         return configured
     if from_weights:
         raise ConfigError(
-            f"model.params.prediction_type: {requested!r} contradicts the pretrained scheduler's "
-            f"prediction_type {configured!r}; remove the key (it follows the weights)"
+            f"model.params.prediction_type: {requested!r} contradicts the pretrained weights' prediction type "
+            f"{configured!r} (from their scheduler config or model family); remove the key (it follows the weights)"
         )
     scheduler.register_to_config(prediction_type=requested)
     return requested
