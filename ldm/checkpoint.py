@@ -144,13 +144,18 @@ def parts_from_description(described: dict) -> Parts:
     return Parts(**built)
 
 
-def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
-    """Rebuild the parts saved in a checkpoint, with its trained weights (or its EMA weights)."""
+def parts_from_checkpoint(ckpt: dict, ema: bool = False, merge: bool = True) -> Parts:
+    """Rebuild the parts saved in a checkpoint, with its trained weights (or its EMA weights).
+
+    A LoRA checkpoint holds the adapters only: its base weights are read again from the run's
+    `model.params.pretrained`, and the adapters are merged into them unless `merge` is False."""
     state = dict(ckpt["state_dict"])
     if ema:
         if not ckpt.get("ema_state_dict"):
             raise ValueError("this checkpoint has no EMA weights; train with the EMA callback or drop --ema")
         state.update(ckpt["ema_state_dict"])
+    if ckpt["ldm"].get("lora"):
+        return _parts_with_lora(ckpt, state, merge)
     parts = parts_from_description(ckpt["ldm"]["parts"])
     for name in MODULE_PARTS:
         module = getattr(parts, name)
@@ -158,4 +163,30 @@ def parts_from_checkpoint(ckpt: dict, ema: bool = False) -> Parts:
         part_state = _same_layout({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, module)
         module.load_state_dict(part_state, assign=True)
         setattr(parts, name, module.float().eval())  # parts trained or frozen in half precision come back as fp32
+    return parts
+
+
+def _parts_with_lora(ckpt: dict, state: dict, merge: bool) -> Parts:
+    from ldm.config import ConfigError
+    from ldm.lora import add_lora, merged
+    from ldm.models.parts import PART_NAMES, build_parts
+
+    params = (ckpt["ldm"].get("config") or {}).get("model", {}).get("params", {})
+    base = {k: v for k, v in params.items() if k in ("pretrained", "pretrained_ema", "pretrained_family", *PART_NAMES)}
+    try:
+        parts = build_parts(**base)
+    except ConfigError as err:
+        raise ValueError(f"a LoRA checkpoint needs its base weights, as trained: {err}") from None
+    lora = ckpt["ldm"]["lora"]
+    add_lora(parts, tuple(lora["trainable"]), lora["spec"])
+    for name in lora["trainable"]:
+        module = getattr(parts, name)
+        prefix = f"{name}."
+        adapters = _same_layout({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, module)
+        missing = [k for k in module.load_state_dict(adapters, strict=False).missing_keys if ".lora_" in k]
+        if missing:
+            raise ValueError(f"LoRA checkpoint: no weights for {name}.{missing[0]} (and {len(missing) - 1} more)")
+        module.float().eval()
+        if merge:
+            setattr(parts, name, merged(module))
     return parts

@@ -49,7 +49,7 @@ def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeli
 
 
 def load_pipeline(path: str | Path, sampler: str = "ddim", ema: bool = False) -> StableDiffusionPipeline:
-    """A pipeline from one of our checkpoints (`.ckpt`) or an exported diffusers folder."""
+    """A pipeline from one of our checkpoints, an original single file, or a diffusers folder."""
     path = Path(path)
     if path.is_dir():
         if not (path / "model_index.json").is_file():
@@ -59,7 +59,9 @@ def load_pipeline(path: str | Path, sampler: str = "ddim", ema: bool = False) ->
         pipe = StableDiffusionPipeline.from_pretrained(path, local_files_only=True, safety_checker=None)
         pipe.scheduler = inference_scheduler(pipe.scheduler, sampler)
         return pipe
-    return build_pipeline(parts_from_checkpoint(load_checkpoint(path), ema=ema), sampler)
+    from ldm.export import read_parts
+
+    return build_pipeline(read_parts(path, ema=ema), sampler)
 
 
 def export_pipeline(ckpt_path: str | Path, out_dir: str | Path, ema: bool = False, sampler: str = "ddim") -> Path:

@@ -16,7 +16,9 @@ from ldm.pipeline import SAMPLERS, image_grid, load_pipeline, sample  # noqa: E4
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a main.py checkpoint (.ckpt) or a diffusers pipeline folder")
+    parser.add_argument(
+        "--model", required=True, help="a main.py checkpoint, an original SD .safetensors/.ckpt, or a diffusers folder"
+    )
     parser.add_argument("--prompt", action="append", required=True, help="prompt; repeat for several")
     parser.add_argument("--outdir", default="outputs/txt2img")
     parser.add_argument("--sampler", choices=list(SAMPLERS), default="ddim")

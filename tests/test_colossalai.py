@@ -199,6 +199,11 @@ def test_plugin_specific_settings_and_clipping_by_value(tmp_path):
     )
 
 
+def test_lora_is_rejected_with_a_pointer_to_the_lora_preset(tmp_path):
+    message = config_error(tmp_path, ZERO, "model.params.lora.rank=4")
+    assert message.startswith("model.params.lora") and "configs/finetune/sd15-lora.yaml" in message
+
+
 def test_nvme_offload_needs_tensornvme(tmp_path):
     try:
         import tensornvme  # noqa: F401

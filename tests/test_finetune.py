@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from ldm.checkpoint import load_checkpoint
 from ldm.config import ConfigError
 from main import main
-from tests.helpers import finetune_args, train_once
+from tests.helpers import finetune_args, run_script, train_once
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,34 +124,23 @@ def test_export_loads_the_same_under_transformers_4_and_5(run, tmp_path):
 
 
 def test_export_script_and_txt2img(run, tmp_path):
-    import subprocess
-    import sys
-
     out = tmp_path / "pipe"
     ckpt = run / "checkpoints" / "last.ckpt"
-    subprocess.run([sys.executable, REPO / "scripts" / "export_diffusers.py", "--ckpt", ckpt, "--out", out], check=True)
+    run_script("export_diffusers.py", "--ckpt", ckpt, "--out", out)
     for model in (ckpt, out):
-        subprocess.run(
-            [sys.executable, REPO / "scripts" / "txt2img.py", "--model", model, "--prompt", "a cat",
-             "--prompt", "a dog", "--n", "2", "--steps", "2", "--outdir", tmp_path / "t2i"],
-            check=True,
-        )  # fmt: skip
+        run_script("txt2img.py", "--model", model, "--prompt", "a cat", "--prompt", "a dog", "--n", "2",
+                   "--steps", "2", "--outdir", tmp_path / "t2i")  # fmt: skip
         assert len(list((tmp_path / "t2i").glob("0*_*.png"))) == 4
-    bad = subprocess.run([sys.executable, REPO / "scripts" / "export_diffusers.py", "--ckpt", tmp_path / "none.ckpt",
-                          "--out", out], capture_output=True, text=True)  # fmt: skip
-    assert bad.returncode != 0 and "checkpoint not found" in bad.stderr
+    with pytest.raises(SystemExit, match="checkpoint not found"):
+        run_script("export_diffusers.py", "--ckpt", tmp_path / "none.ckpt", "--out", out)
 
 
 def test_export_single_file_reads_in_diffusers_as_trained(run, tiny_sd, tmp_path):
-    import subprocess
-    import sys
-
     ckpt = run / "checkpoints" / "last.ckpt"
     trained = load_checkpoint(ckpt)
     for ema, state in ((False, trained["state_dict"]), (True, trained["ema_state_dict"])):
         out = tmp_path / f"ema-{ema}.safetensors"
-        command = [sys.executable, REPO / "scripts" / "export_single_file.py", "--ckpt", ckpt, "--out", out]
-        subprocess.run(command + ["--ema"] * ema, check=True, capture_output=True)
+        run_script("export_single_file.py", "--ckpt", ckpt, "--out", out, *["--ema"] * ema)
         unet = UNet2DConditionModel.from_single_file(str(out), config=str(tiny_sd), subfolder="unet")
         for name, tensor in unet.state_dict().items():
             assert torch.equal(tensor, state[f"unet.{name}"]), name

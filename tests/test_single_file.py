@@ -236,3 +236,10 @@ def test_convert_refuses_to_overwrite_and_unknown_suffixes(tiny_sd, tmp_path):
         convert(tiny_sd, tmp_path / "taken.safetensors")
     with pytest.raises(ValueError, match="--dst .*model.bin.x"):
         convert(tiny_sd, tmp_path / "model.bin.x")
+
+
+def test_sampling_reads_single_files(tiny_sd, tmp_path):
+    from ldm.pipeline import load_pipeline
+
+    single = convert(tiny_sd, tmp_path / "tiny.safetensors")
+    assert_same_weights(load_pipeline(single), build_parts(pretrained=str(tiny_sd)))

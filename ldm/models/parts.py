@@ -198,12 +198,16 @@ def prepare_for_training(
     gradient_checkpointing: bool,
     channels_last: bool,
     frozen_dtype: str | None,
+    adapters: bool = False,
 ) -> None:
-    """Freeze what does not train, and apply the memory options to the networks."""
+    """Freeze what does not train, and apply the memory options to the networks.
+
+    With `adapters` (LoRA), every network's own weights are frozen; adapters added later train."""
     for name in ("unet", "vae", "text_encoder"):
         module = getattr(parts, name)
-        module.requires_grad_(name in trainable)
-        if name not in trainable and frozen_dtype is not None:
+        trains_own_weights = name in trainable and not adapters
+        module.requires_grad_(trains_own_weights)
+        if not trains_own_weights and frozen_dtype is not None:
             module.to(DTYPES[frozen_dtype])
     if gradient_checkpointing:
         parts.unet.enable_gradient_checkpointing()

@@ -201,6 +201,13 @@ class ColossalAIStrategy(DDPStrategy):
         for name in GEMINI_ONLY if plugin == "zero" else ZERO_ONLY:
             if name in params:
                 fail(sources, f"{where}.{name}", f"applies to plugin {'gemini' if plugin == 'zero' else 'zero'} only")
+        if (cfg["model"].get("params") or {}).get("lora"):
+            fail(
+                sources,
+                "model.params.lora",
+                "not supported with ColossalAIStrategy; LoRA needs no offload on 8 GB: "
+                "use configs/finetune/sd15-lora.yaml (Lightning's default strategy)",
+            )
         trainer = cfg["lightning"]["trainer"]
         if trainer.get("gradient_clip_algorithm") == "value":
             fail(sources, "lightning.trainer.gradient_clip_algorithm", "ColossalAIStrategy clips by norm only")

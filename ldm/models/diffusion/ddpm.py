@@ -14,6 +14,7 @@ import torch
 
 from ldm import diffusion
 from ldm.config import ConfigError, ExistingPath, import_target, supplied
+from ldm.lora import LoraSpec, add_lora, is_lora_key
 from ldm.models.parts import Parts, PartSpec, build_parts, prepare_for_training, set_attention
 
 
@@ -41,6 +42,7 @@ class LatentDiffusion(pl.LightningModule):
         gradient_checkpointing: bool = False,
         channels_last: bool = False,
         frozen_dtype: Literal["float32", "float16", "bfloat16"] | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         super().__init__()
         self._specs = {"unet": unet, "vae": vae, "text_encoder": text_encoder}
@@ -57,6 +59,8 @@ class LatentDiffusion(pl.LightningModule):
         self.learning_rate, self.lr_schedule, self.lr_warmup_steps = learning_rate, lr_schedule, lr_warmup_steps
         self.optimizer_spec = optimizer or {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
         self.snr_gamma = snr_gamma
+        self.lora = dict(lora) if lora is not None else None
+        self.strict_loading = self.lora is None  # a LoRA checkpoint holds the adapters only
         self.run_config: dict | None = None  # the resolved config, set by ldm.run and saved in checkpoints
         self._built = False
         if all(isinstance(self._specs[name], torch.nn.Module) for name in ("unet", "vae", "text_encoder")):
@@ -77,8 +81,15 @@ class LatentDiffusion(pl.LightningModule):
         options = self.memory_options
         set_attention(parts, options["attention"])
         prepare_for_training(
-            parts, self.trainable, options["gradient_checkpointing"], options["channels_last"], options["frozen_dtype"]
+            parts,
+            self.trainable,
+            options["gradient_checkpointing"],
+            options["channels_last"],
+            options["frozen_dtype"],
+            adapters=self.lora is not None,
         )
+        if self.lora is not None:
+            add_lora(parts, self.trainable, self.lora)
         # Not a buffer: ZeRO / Gemini cast every floating buffer to fp16, and the schedule must stay float32.
         self.alphas_cumprod = torch.as_tensor(parts.scheduler.alphas_cumprod, dtype=torch.float32)
         self._built = True
@@ -140,7 +151,7 @@ class LatentDiffusion(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         from diffusers.optimization import get_scheduler
 
-        params = [p for name in self.trainable for p in getattr(self, name).parameters()]
+        params = [p for name in self.trainable for p in getattr(self, name).parameters() if p.requires_grad]
         spec = self.optimizer_spec
         optimizer_cls = import_target(spec["target"], "model.params.optimizer.target")
         optimizer = optimizer_cls(params, lr=self.learning_rate, **(spec.get("params") or {}))
@@ -156,6 +167,9 @@ class LatentDiffusion(pl.LightningModule):
         from ldm.checkpoint import describe_parts
 
         checkpoint["ldm"] = {"config": self.run_config, "parts": describe_parts(self.parts)}
+        if self.lora is not None:
+            checkpoint["ldm"]["lora"] = {"spec": self.lora, "trainable": list(self.trainable)}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_lora_key(k)}
 
 
 def _resolve_prediction_type(scheduler: Any, requested: str | None, pretrained: str | None, spec: Any) -> str:
