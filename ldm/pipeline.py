@@ -77,7 +77,8 @@ def write_pipeline(parts: Parts, out_dir: str | Path, sampler: str = "ddim", hal
     """Write parts as a diffusers `StableDiffusionPipeline` folder that loads under transformers 4.51 and 5."""
     pipe = build_pipeline(parts, sampler)
     if half:
-        pipe.to(torch.float16)
+        for module in (pipe.unet, pipe.vae, pipe.text_encoder):
+            module.half()
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return make_portable(out_dir)

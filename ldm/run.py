@@ -198,4 +198,5 @@ def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> N
     with warnings.catch_warnings():
         # Frozen parts (VAE, text encoder) are kept in eval mode on purpose; Lightning warns about it.
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
-        trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None)
+        # weights_only: resuming never runs code from the checkpoint (ours hold tensors and plain types only)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None, weights_only=True)

@@ -117,9 +117,8 @@ def _unet_name(key: str, config: dict) -> str:
         raise SingleFileError(
             f"unet layers_per_block {layers!r}: only one count for every block has an original layout"
         )
-    top = key.split(".")[0] + "." + key.split(".")[1] if key.startswith("time_embedding") else key.split(".")[0]
-    if top in _UNET_TOP:
-        return _UNET_TOP[top] + key[len(top) :]
+    if any(key.startswith(top + ".") for top in _UNET_TOP):
+        return _rename(key, _UNET_TOP)
     if m := re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)", key):
         kind, j, rest = m[1], int(m[2]), m[3]
         return f"middle_block.{2 * j}.{_rename(rest, _UNET_RESNET)}" if kind == "resnets" else f"middle_block.1.{rest}"
@@ -246,7 +245,7 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
         width = parts.text_encoder.config.hidden_size
         out[OPEN_CLIP + "text_projection"] = torch.eye(width, dtype=out[OPEN_CLIP + "ln_final.weight"].dtype)
     dtype = torch.float16 if half else None
-    return {k: v.to(dtype=dtype or v.dtype, memory_format=torch.contiguous_format).clone() for k, v in out.items()}
+    return {k: v.to(dtype=dtype or v.dtype).contiguous() for k, v in out.items()}
 
 
 def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_layout: str | None = None) -> Path:
@@ -352,7 +351,7 @@ def detect_family(
         return FAMILIES["sd2-base"], f"from its OpenCLIP text encoder and global_step {global_step}"
     raise SingleFileError(
         f"{where}: Stable Diffusion 2.x weights, but the weights cannot tell 512-base (epsilon) from 768-v "
-        "(v-prediction); say which with model.params.pretrained_family: sd2-base or sd2-768-v"
+        "(v-prediction); say which: model.params.pretrained_family: sd2-base or sd2-768-v (convert.py: --family)"
     )
 
 

@@ -165,6 +165,22 @@ def test_finetune_from_an_original_single_file(tiny_sd, image_folder, tmp_path):
         LatentDiffusion(pretrained=str(tiny_sd), pretrained_ema=True).configure_model()
 
 
+def test_resuming_never_runs_code_from_the_checkpoint(run, tiny_sd, image_folder, tmp_path):
+    import pickle
+    import shutil
+
+    from tests.test_single_file import Payload
+
+    copy = shutil.copytree(run, tmp_path / "logs" / run.name)
+    ckpt = torch.load(copy / "checkpoints" / "last.ckpt", weights_only=True)
+    ckpt["callbacks"]["planted"] = Payload(tmp_path / "marker")
+    torch.save(ckpt, copy / "checkpoints" / "last.ckpt")
+    argv = args(tiny_sd, image_folder, tmp_path / "logs", "lightning.trainer.max_steps=4")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        main([*argv, "-r", str(copy / "checkpoints" / "last.ckpt")])
+    assert not (tmp_path / "marker").exists()
+
+
 def test_resume_continues_step_and_data_position(tiny_sd, image_folder, tmp_path):
     logdir = tmp_path / "logs"
     # 6 images, batch 2: 3 batches per epoch; stop after 4 steps, mid-way through epoch 1.

@@ -21,6 +21,7 @@ from ldm.single_file import (
     SingleFileError,
     detect_family,
     family_description,
+    family_of,
     load_single_file,
     save_single_file,
     to_original,
@@ -117,6 +118,7 @@ def test_real_size_layout_matches_diffusers_conversion(real_size):
     import diffusers.loaders.single_file_utils as reference
 
     for name, (parts, state) in real_size.items():
+        assert family_of(parts) is FAMILIES[name]
         unet = reference.convert_ldm_unet_checkpoint(state, dict(parts.unet.config))
         vae = reference.convert_ldm_vae_checkpoint(state, dict(parts.vae.config))
         if FAMILIES[name].text_layout == "clip":
