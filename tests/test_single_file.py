@@ -232,6 +232,21 @@ def test_pickles_that_need_code_are_refused(tiny_sd, tmp_path):
         read_parts(tmp_path / "lightning.ckpt", trust_pickle=True)
 
 
+def test_convert_script_converts_a_trusted_pickle_once(tiny_sd, tmp_path):
+    from tests.helpers import run_script
+
+    parts = build_parts(pretrained=str(tiny_sd))
+    meta = {"family": "custom", "text_layout": "clip", "parts": _described(parts)}
+    torch.save({"state_dict": to_original(parts, "clip"), "ldm": meta, "callbacks": Path("x")}, tmp_path / "old.ckpt")
+    with pytest.raises(SystemExit, match="convert: .*old.ckpt: refused: loading it would unpickle pathlib"):
+        run_script("convert.py", "--src", tmp_path / "old.ckpt", "--dst", tmp_path / "old.safetensors")
+    printed = run_script(
+        "convert.py", "--src", tmp_path / "old.ckpt", "--dst", tmp_path / "old.safetensors", "--trust-pickle"
+    )
+    assert printed.strip() == str(tmp_path / "old.safetensors")
+    assert_same_weights(load_single_file(tmp_path / "old.safetensors")[0], parts)
+
+
 def test_convert_refuses_to_overwrite_and_unknown_suffixes(tiny_sd, tmp_path):
     (tmp_path / "taken.safetensors").write_bytes(b"x")
     with pytest.raises(FileExistsError, match="nothing is overwritten"):
