@@ -19,17 +19,26 @@ from ldm.single_file import PICKLE_SUFFIXES, load_single_file, save_single_file,
 log = logging.getLogger(__name__)
 
 
-def read_parts(src: str | Path, ema: bool = False, family: str | None = None, trust_pickle: bool = False) -> Parts:
-    """Float32 parts from a diffusers folder, one of our checkpoints, or an original single file."""
+def read_parts(
+    src: str | Path,
+    ema: bool = False,
+    family: str | None = None,
+    trust_pickle: bool = False,
+    where: str = "--src",
+) -> Parts:
+    """Float32 parts from a diffusers folder, one of our checkpoints, or an original single file.
+
+    What was read (for a single file: the family and how it was told) is logged, after `where`."""
     src = Path(src)
     if src.is_dir():
         if (src / "model_index.json").is_file():
             if ema or family:
                 raise ValueError(f"{src}: a diffusers folder holds one set of weights; drop --ema / --family")
             try:
-                return build_parts(pretrained=str(src), key="--src")
+                return build_parts(pretrained=str(src), key=where)
             except ConfigError as err:
                 raise ValueError(str(err)) from None
+        log.info("%s: %s: an ldm checkpoint folder", where, src)
         return parts_from_checkpoint(load_checkpoint(src), ema)
     if not src.is_file():
         raise FileNotFoundError(f"no such file or folder: {src}")
@@ -37,10 +46,13 @@ def read_parts(src: str | Path, ema: bool = False, family: str | None = None, tr
     if src.suffix in PICKLE_SUFFIXES:
         obj = load_pickle(src, trust_pickle)
         if _is_our_checkpoint(obj):
+            if family:
+                raise ValueError(f"{src}: an ldm checkpoint knows its model; the family setting is for single files")
+            log.info("%s: %s: an ldm checkpoint (step %s)", where, src, obj.get("global_step"))
             return parts_from_checkpoint(obj, ema)
         loaded = split_pickle(obj, src)
     parts, line = load_single_file(src, ema, family, loaded=loaded)
-    log.info(line)
+    log.info("%s: %s", where, line)
     return parts
 
 

@@ -147,6 +147,17 @@ def test_export_single_file_reads_in_diffusers_as_trained(run, tiny_sd, tmp_path
     assert any(k.startswith("model.diffusion_model.") for k in load_file(out))
 
 
+def test_finetune_from_our_own_checkpoint(run):
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    for ema, state in ((False, ckpt["state_dict"]), (True, ckpt["ema_state_dict"])):
+        model = LatentDiffusion(pretrained=str(run / "checkpoints" / "last.ckpt"), pretrained_ema=ema)
+        model.configure_model()
+        for name, tensor in model.unet.state_dict().items():
+            assert torch.equal(tensor, state[f"unet.{name}"]), name
+
+
 def test_finetune_from_an_original_single_file(tiny_sd, image_folder, tmp_path):
     from ldm.export import convert
 

@@ -63,22 +63,25 @@ def build_parts(
 ) -> Parts:
     """Build every part: a module passes through, a spec is built, a missing one comes from `pretrained`.
 
-    `pretrained` is a diffusers folder or an original single file (`.safetensors` / `.ckpt`); for a
-    single file, `pretrained_ema` picks its EMA weights and `pretrained_family` says which SD 2.x it
-    is where the weights cannot tell."""
+    `pretrained` is a diffusers folder, an original single file (`.safetensors` / `.ckpt`) or one of
+    our checkpoints; for those two, `pretrained_ema` picks their EMA weights, and `pretrained_family`
+    says which SD 2.x a single file is where its weights cannot tell."""
     loaded = {}
-    if pretrained is not None and Path(pretrained).expanduser().is_file():
-        from ldm.single_file import SingleFileError, load_single_file
+    if pretrained is not None and _is_one_checkpoint(Path(pretrained).expanduser()):
+        from ldm.export import read_parts
 
         try:
-            parts, line = load_single_file(Path(pretrained).expanduser(), pretrained_ema, pretrained_family)
-        except SingleFileError as err:
+            parts = read_parts(
+                Path(pretrained).expanduser(), pretrained_ema, pretrained_family, where=f"{key}.pretrained"
+            )
+        except ValueError as err:
             raise ConfigError(f"{key}.pretrained: {err}") from None
-        log.info("%s.pretrained: %s", key, line)
         loaded = {name: getattr(parts, name) for name in PART_NAMES}
     elif pretrained_ema or pretrained_family:
         option = "pretrained_ema" if pretrained_ema else "pretrained_family"
-        raise ConfigError(f"{key}.{option}: applies to a single-file {key}.pretrained (.safetensors / .ckpt) only")
+        raise ConfigError(
+            f"{key}.{option}: applies to a single-file {key}.pretrained (.safetensors / .ckpt), not a folder"
+        )
     built = {}
     for name in PART_NAMES:
         spec = specs.get(name)
@@ -88,6 +91,13 @@ def build_parts(
         spec = part_spec(name, spec, pretrained, key)
         built[name] = spec if not isinstance(spec, dict) else build_part(name, spec, f"{key}.{name}")
     return Parts(**built)
+
+
+def _is_one_checkpoint(path: Path) -> bool:
+    """A single file (original SD or ours), or a ColossalAIStrategy checkpoint folder: not a diffusers folder."""
+    from ldm.checkpoint import COLOSSAL_FILES
+
+    return path.is_file() or path.is_dir() and (path / COLOSSAL_FILES["trainer"]).is_file()
 
 
 def part_spec(name: str, spec: Any, pretrained: str | None, key: str = "model.params") -> Any:
