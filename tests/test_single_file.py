@@ -260,3 +260,36 @@ def test_sampling_reads_single_files(tiny_sd, tmp_path):
 
     single = convert(tiny_sd, tmp_path / "tiny.safetensors")
     assert_same_weights(load_pipeline(single), build_parts(pretrained=str(tiny_sd)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sd15", "sd2-768-v"])
+def test_real_size_file_reads_in_diffusers_as_we_convert_it(name, tmp_path):
+    """Full-size random weights (~2 GiB fp16 file, ~10 GB RAM, a minute or two): a file without our
+    metadata, as A1111 has them, detected, converted, and read by diffusers to the same tensors."""
+    parts = parts_from_description(family_description(FAMILIES[name]))
+    generator = torch.Generator().manual_seed(0)
+    for part in ("unet", "vae", "text_encoder"):
+        module = getattr(parts, part).to_empty(device="cpu")
+        with torch.no_grad():
+            for param in module.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        setattr(parts, part, module)
+    bare = tmp_path / "bare.safetensors"
+    save_file(to_original(parts, FAMILIES[name].text_layout, half=True), str(bare))
+    del parts
+    if name != "sd15":
+        with pytest.raises(SingleFileError, match="cannot tell 512-base"):
+            read_parts(bare)
+    folder = convert(bare, tmp_path / "folder", half=True, family=None if name == "sd15" else name)
+    theirs = StableDiffusionPipeline.from_single_file(
+        str(bare), config=str(folder), local_files_only=True, safety_checker=None, torch_dtype=torch.float16
+    )
+    ours = StableDiffusionPipeline.from_pretrained(
+        folder, local_files_only=True, safety_checker=None, torch_dtype=torch.float16
+    )
+    assert_same_weights(ours, theirs)
+    assert ours.scheduler.config.prediction_type == FAMILIES[name].prediction_type
+    again = convert(folder, tmp_path / "again.safetensors", half=True)
+    first, second = load_file(bare), load_file(again)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
