@@ -14,6 +14,7 @@ setup(
         "diffusers>=0.29",
         "transformers>=4.51",
         "accelerate>=0.30",
+        "peft>=0.13.2",  # LoRA
         "omegaconf>=2.3",
         "safetensors>=0.4",
         "pillow>=10",

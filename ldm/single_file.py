@@ -13,7 +13,6 @@ the prediction type: a file is never paired with a prediction type guessed in a 
 from __future__ import annotations
 
 import json
-import logging
 import re
 import tempfile
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ import torch
 
 from ldm.checkpoint import describe_parts, load_pickle, parts_from_description
 from ldm.models.parts import Parts
-
-log = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 UNET, VAE = "model.diffusion_model.", "first_stage_model."
@@ -415,7 +412,7 @@ def _load_original(parts: Parts, state: dict, layout: str, path: Path) -> None:
             raise SingleFileError(f"{path}: missing weight {original} (for {ours}); is it a complete checkpoint?")
         tensor = state[original]
         if slot is not None:
-            tensor = tensor.chunk(3)[slot]
+            tensor = tensor.chunk(3)[slot].clone()  # its own storage: savers refuse tensors that share one
         part, _, key = ours.partition(".")
         expected = shapes[part][key]
         if _is_vae_attention_weight(original) and tensor.dim() == 4:

@@ -7,7 +7,6 @@ transformers `CLIPTextModel` and `CLIPTokenizer`. Nothing here reaches a model h
 from __future__ import annotations
 
 import inspect
-import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,6 @@ from typing import Any, TypedDict
 import torch
 
 from ldm.config import ConfigError, ExistingPath, import_target
-
-log = logging.getLogger(__name__)
 
 PART_NAMES = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 
