@@ -11,22 +11,34 @@ from diffusers import StableDiffusionPipeline
 from ldm.checkpoint import load_checkpoint, parts_from_checkpoint
 from ldm.config import ConfigError
 from ldm.lora import LORA_FILE
+from ldm.single_file import load_single_file
 from main import main
-from tests.helpers import finetune_args, run_script, train_once
+from tests.helpers import SD_FOLDER, finetune_args, run_script, train_once
 
 REPO = Path(__file__).resolve().parents[1]
+PRESET = REPO / "configs" / "finetune" / "sd15-lora.yaml"
 LORA = [
     "model.params.lora.rank=4",
     "model.params.lora.alpha=2",  # scale 0.5: the export must carry it
     "model.params.trainable=[unet,text_encoder]",
     "model.params.learning_rate=1e-2",
+    "model.params.lr_warmup_steps=0",
+    "lightning.trainer.precision=bf16-mixed",  # the preset's fp16, as a CPU runs it
+    "model.params.frozen_dtype=bfloat16",
 ]
+
+
+def lora_args(tiny_sd, images, logdir, *extra) -> list[str]:
+    """The tiny fine-tune's arguments on the LoRA preset."""
+    argv = finetune_args(tiny_sd, images, logdir, *LORA, *extra)
+    argv[argv.index(str(SD_FOLDER))] = str(PRESET)
+    return argv
 
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_sd, image_folder, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("lora-logs")
-    return train_once(finetune_args(tiny_sd, image_folder, logdir, *LORA), logdir)
+    return train_once(lora_args(tiny_sd, image_folder, logdir), logdir)
 
 
 def outputs(unet, text_encoder, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +53,8 @@ def outputs(unet, text_encoder, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_checkpoint_holds_only_the_adapters(lora_run, tiny_sd):
     ckpt = load_checkpoint(lora_run / "checkpoints" / "last.ckpt")
-    assert ckpt["ldm"]["lora"] == {"spec": {"rank": 4, "alpha": 2}, "trainable": ["unet", "text_encoder"]}
+    spec = {"rank": 4, "alpha": 2, "dropout": 0.0, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+    assert ckpt["ldm"]["lora"] == {"spec": spec, "trainable": ["unet", "text_encoder"]}
     keys = set(ckpt["state_dict"])
     assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)
     assert {k.split(".")[0] for k in keys} == {"unet", "text_encoder"}
@@ -71,10 +84,15 @@ def test_diffusers_load_lora_weights_reproduces_our_model(lora_run, tiny_sd, tmp
         torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
     assert not any("lora" in k for k in merged.unet.state_dict())
 
+    run_script("export_single_file.py", *ckpt_arg, "--out", tmp_path / "merged.safetensors")
+    single, _ = load_single_file(tmp_path / "merged.safetensors")
+    for mine, theirs in zip(expected, outputs(single.unet, single.text_encoder, single.tokenizer)):
+        torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
+
 
 def test_lora_run_resumes(lora_run, tiny_sd, image_folder):
     logdir = lora_run.parent
-    assert main(finetune_args(tiny_sd, image_folder, logdir, *LORA, "lightning.trainer.max_steps=4", "-r", "auto")) == 0
+    assert main(lora_args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=4", "-r", "auto")) == 0
     assert load_checkpoint(lora_run / "checkpoints" / "last.ckpt")["global_step"] == 4
 
 
