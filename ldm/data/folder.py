@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -14,9 +16,11 @@ from torch.utils.data import Dataset
 
 from ldm.config import ExistingPath, TargetSpec
 from ldm.data import DataModule
+from ldm.data.images import BadImage, decode_image
 
 log = logging.getLogger(__name__)
 
+BAD_SAMPLES = "bad_samples.tsv"  # in the run folder: one `path<TAB>reason` line per skipped file
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
@@ -49,13 +53,21 @@ def find_examples(root: Path, caption_extension: str = ".txt") -> list[tuple[Pat
 
 
 def _read_caption(path: Path) -> str:
-    return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+    if not path.is_file():
+        return ""
+    try:
+        return path.read_text(encoding="utf-8-sig").strip()
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: caption is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8"
+        ) from None
 
 
 def load_image(path: Path, size: int, channels: int, random_crop: bool, flip: bool, rng: random.Random) -> torch.Tensor:
-    """Read an image, resize its short side to `size`, crop `size` x `size`, maybe flip; to [-1, 1]."""
-    with Image.open(path) as image:
-        image = image.convert("RGB" if channels == 3 else "L")
+    """Read an image, resize its short side to `size`, crop `size` x `size`, maybe flip; to [-1, 1].
+
+    Raises `BadImage` for a file that cannot be decoded."""
+    image = decode_image(path, channels)
     w, h = image.size
     scale = size / min(w, h)
     image = image.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.Resampling.BICUBIC)
@@ -81,6 +93,7 @@ class FolderDataset(Dataset):
         flip: bool = False,
         channels: int = 3,
         caption_extension: str = ".txt",
+        on_bad_sample: Literal["skip", "error"] = "skip",
     ) -> None:
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
@@ -90,7 +103,11 @@ class FolderDataset(Dataset):
         self.examples = find_examples(self.root, caption_extension)
         if not self.examples:
             raise ValueError(f"data.params.root: no images ({', '.join(IMAGE_EXTENSIONS)}) found in {self.root}")
+        if on_bad_sample not in ("skip", "error"):
+            raise ValueError(f"data.params.on_bad_sample: got {on_bad_sample!r}; valid: skip, error")
         self.size, self.random_crop, self.flip, self.channels = size, random_crop, flip, channels
+        self.on_bad_sample = on_bad_sample
+        self.bad: set[int] = set()  # indices found undecodable, in this process
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -99,10 +116,40 @@ class FolderDataset(Dataset):
         return self.get(index, seed=index)
 
     def get(self, index: int, seed: int) -> dict:
-        """The example at `index`, its random crop and flip drawn from `seed`."""
-        path, caption = self.examples[index]
-        pixels = load_image(path, self.size, self.channels, self.random_crop, self.flip, random.Random(seed))
-        return {"pixel_values": pixels, "caption": caption}
+        """The example at `index`, its random crop and flip drawn from `seed`.
+
+        An undecodable image raises (`on_bad_sample: error`) or is replaced by the next decodable one
+        (`skip`), so the epoch keeps its length; each skipped file is logged once and listed in the
+        run folder's `bad_samples.tsv`."""
+        for step in range(len(self.examples)):
+            candidate = (index + step) % len(self.examples)
+            if candidate in self.bad:
+                continue
+            path, caption = self.examples[candidate]
+            try:
+                pixels = load_image(path, self.size, self.channels, self.random_crop, self.flip, random.Random(seed))
+            except BadImage as err:
+                if self.on_bad_sample == "error":
+                    raise BadImage(f"{err}; set data.params.on_bad_sample: skip to train without such files") from None
+                self._skip(candidate, str(err))
+                continue
+            return {"pixel_values": pixels, "caption": caption}
+        raise BadImage(f"data.params.root: none of the {len(self.examples)} images in {self.root} can be decoded")
+
+    def _skip(self, index: int, reason: str) -> None:
+        self.bad.add(index)
+        log.warning(
+            "data: skipping %s; its batches take the next image instead (%d skipped in this process; "
+            "data.params.on_bad_sample: error stops instead)",
+            reason,
+            len(self.bad),
+        )
+        from ldm.run import RUN_DIR_ENV
+
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if run_dir:
+            with open(Path(run_dir) / BAD_SAMPLES, "a", encoding="utf-8") as listing:
+                listing.write(f"{self.examples[index][0]}\t{reason}\n")
 
 
 class FolderDataModule(DataModule):
@@ -116,6 +163,7 @@ class FolderDataModule(DataModule):
         flip: bool = False,
         channels: int = 3,
         caption_extension: str = ".txt",
+        on_bad_sample: Literal["skip", "error"] = "skip",
         batch_size: int = 1,
         num_workers: int = 0,
         shuffle: bool = True,
@@ -132,6 +180,7 @@ class FolderDataModule(DataModule):
                 "flip": flip,
                 "channels": channels,
                 "caption_extension": caption_extension,
+                "on_bad_sample": on_bad_sample,
             },
         }
         super().__init__(dataset, batch_size, num_workers, shuffle, seed, caption_dropout, cache_latents)
