@@ -84,12 +84,16 @@ def test_bad_files_are_skipped_listed_and_the_epoch_keeps_its_length(tmp_path, m
     assert len((tmp_path / BAD_SAMPLES).read_text().splitlines()) == 4, "each file is listed once"
 
 
-def test_bad_files_stop_the_run_when_asked(tmp_path):
+def test_bad_files_stop_the_run_when_asked(tmp_path, small_pixel_limit):
     root = write_bad_files(tmp_path / "scraped")
-    data = FolderDataset(root, size=8, on_bad_sample="error")
     with pytest.raises(BadImage, match=r"a_truncated.jpg: not a usable image .*on_bad_sample: skip"):
-        data[0]
-    assert data[3]["pixel_values"].shape == (3, 8, 8)
+        FolderDataset(root, size=8, on_bad_sample="error")  # the first file is bad: at setup already
+    for name in ("a_truncated.jpg", "b_empty.png", "c_text.jpg"):
+        (root / name).unlink()
+    data = FolderDataset(root, size=8, on_bad_sample="error")
+    assert data[0]["pixel_values"].shape == (3, 8, 8)
+    with pytest.raises(BadImage, match=r"e_bomb.png: not a usable image"):
+        data[1]
     with pytest.raises(ValueError, match="on_bad_sample: got 'ignore'; valid: skip, error"):
         FolderDataset(root, size=8, on_bad_sample="ignore")
 
@@ -99,7 +103,7 @@ def test_no_decodable_image_and_undecodable_captions(tmp_path):
     root.mkdir()
     (root / "x.png").write_bytes(b"")
     with pytest.raises(BadImage, match="none of the 1 images"):
-        FolderDataset(root, size=8)[0]
+        FolderDataset(root, size=8)  # at setup, before any training
     Image.new("RGB", (8, 8)).save(root / "y.png")
     (root / "y.txt").write_bytes("café".encode("latin-1"))
     with pytest.raises(ValueError, match=r"y.txt: caption is not UTF-8 text"):

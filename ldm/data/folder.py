@@ -108,6 +108,7 @@ class FolderDataset(Dataset):
         self.size, self.random_crop, self.flip, self.channels = size, random_crop, flip, channels
         self.on_bad_sample = on_bad_sample
         self.bad: set[int] = set()  # indices found undecodable, in this process
+        self.get(0, seed=0)  # a folder with no decodable image fails here, before training
 
     def __len__(self) -> int:
         return len(self.examples)
