@@ -19,6 +19,8 @@ DEFAULT_TARGETS = {
     "unet": ["to_q", "to_k", "to_v", "to_out.0"],  # the attention projections of every transformer block
     "text_encoder": ["q_proj", "k_proj", "v_proj", "out_proj"],
 }
+TARGETS_KEY = {"unet": "target_modules", "text_encoder": "text_encoder_target_modules"}  # in LoraSpec
+DEFAULT_RANK = 4
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
@@ -35,8 +37,8 @@ class LoraSpec(TypedDict, total=False):
 def lora_config(spec: dict, part: str):
     from peft import LoraConfig
 
-    rank = int(spec.get("rank", 4))
-    targets = spec.get("target_modules" if part == "unet" else "text_encoder_target_modules")
+    rank = int(spec.get("rank", DEFAULT_RANK))
+    targets = spec.get(TARGETS_KEY[part])
     return LoraConfig(
         r=rank,
         lora_alpha=float(spec.get("alpha", rank)),
@@ -56,7 +58,7 @@ def add_lora(parts: Parts, trainable: tuple[str, ...], spec: dict, key: str = "m
     unknown = set(spec) - set(LoraSpec.__annotations__)
     if unknown:
         raise ConfigError(f"{key}.{sorted(unknown)[0]}: unknown key; valid: {', '.join(LoraSpec.__annotations__)}")
-    if int(spec.get("rank", 4)) < 1:
+    if int(spec.get("rank", DEFAULT_RANK)) < 1:
         raise ConfigError(f"{key}.rank: got {spec['rank']}; a LoRA rank is a positive integer")
     for name in trainable:
         module = getattr(parts, name)
@@ -64,8 +66,7 @@ def add_lora(parts: Parts, trainable: tuple[str, ...], spec: dict, key: str = "m
         try:
             inject_adapter_in_model(lora_config(spec, name), module)
         except ValueError as err:
-            option = "target_modules" if name == "unet" else "text_encoder_target_modules"
-            raise ConfigError(f"{key}.{option}: {' '.join(str(err).split())[:300]}") from None
+            raise ConfigError(f"{key}.{TARGETS_KEY[name]}: {' '.join(str(err).split())[:300]}") from None
         for param in module.parameters():
             if param.requires_grad:
                 param.data = param.data.float()

@@ -51,9 +51,7 @@ def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeli
 def load_pipeline(path: str | Path, sampler: str = "ddim", ema: bool = False) -> StableDiffusionPipeline:
     """A pipeline from one of our checkpoints, an original single file, or a diffusers folder."""
     path = Path(path)
-    if path.is_dir():
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"{path}: not a diffusers pipeline folder (no model_index.json)")
+    if (path / "model_index.json").is_file():
         if ema:
             raise ValueError("--ema applies to checkpoints; an exported folder holds one set of weights")
         pipe = StableDiffusionPipeline.from_pretrained(path, local_files_only=True, safety_checker=None)
@@ -98,9 +96,9 @@ def make_portable(folder: str | Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     folder = Path(folder)
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
     for weights in sorted((folder / "text_encoder").glob("*.safetensors")):
         state = load_file(str(weights))
-        config = json.loads((folder / "text_encoder" / "config.json").read_text())
         if "CLIPTextModel" in config.get("architectures", []) and not all(
             k.startswith(TEXT_MODEL_PREFIX) for k in state
         ):
