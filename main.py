@@ -29,14 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.train:
         print("main.py: nothing to do; pass -t to train", file=sys.stderr)
         return 2
-    from ldm.run import train
+    from ldm.checkpoint import CheckpointError
+    from ldm.run import RunStopped, train
 
     try:
         run_dir = train(args.base, args.overrides, args.logdir, args.name, args.seed, args.resume)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    print(f"checkpoint: {run_dir / 'checkpoints' / 'last.ckpt'}")
+    except CheckpointError as err:
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        return 1
+    except RunStopped as stop:
+        print(stop, file=sys.stderr)
+        return stop.exit_code
+    print(f"checkpoint: {(run_dir / 'checkpoints' / 'last.ckpt').resolve()}")
     return 0
 
 

@@ -1,13 +1,23 @@
-"""Read our checkpoints: weights, the resolved config and each part's own config travel together."""
+"""Our checkpoints: weights, the resolved config and each part's own config travel together.
+
+A checkpoint is written to `NAME.partial`, synced, summed into `NAME.sha256` (the format of
+`sha256sum`, one line per file, so `sha256sum -c NAME.sha256` checks it by hand) and only then
+renamed to `NAME`: a crash or a full disk at any moment leaves either the old checkpoint or the
+new one, never a half-written file under a checkpoint's name.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ldm.config import import_target
 from ldm.models.parts import Parts, module_from_config
@@ -21,6 +31,117 @@ COLOSSAL_FILES = {
     "master": "master.safetensors",
     "trainer": "trainer.pt",
 }
+CHECKSUM_SUFFIX = ".sha256"
+PARTIAL_SUFFIX = ".partial"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or what is on disk is not what was written."""
+
+
+class StreamingCheckpointIO(TorchCheckpointIO):
+    """Write checkpoint files straight to disk and sync them (Lightning's default first builds the
+    whole file in memory, doubling the host memory a save needs).
+
+    With `collect_failures` set, a failed write is kept in `failure` instead of raised, so that the
+    saving rank does not leave the others waiting at the barrier that follows every save."""
+
+    def __init__(self) -> None:
+        self.collect_failures, self.failure = False, None
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        path = Path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as err:
+            remove_path(path)
+            if not self.collect_failures:
+                raise
+            self.failure = err
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file, a link or a folder, if there."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_checkpoint(partial: Path, final: Path) -> None:
+    """Sum and sync a finished `partial` checkpoint (a file or a folder), write `final`'s checksum file,
+    then rename `partial` to `final`. Every step is atomic; the checksum file comes first, so a
+    checkpoint under its final name always has one."""
+    lines = []
+    for file in _files(partial):
+        _fsync(file)
+        name = final.name if file == partial else f"{final.name}/{file.relative_to(partial).as_posix()}"
+        lines.append(f"{_sha256(file)}  {name}\n")
+    sums = final.with_name(final.name + CHECKSUM_SUFFIX)
+    temporary = sums.with_name(sums.name + PARTIAL_SUFFIX)
+    with open(temporary, "w") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, sums)
+    if final.exists() or final.is_symlink():  # the same step saved again, after a resume from an earlier one
+        old = final.with_name(final.name + ".old")
+        remove_path(old)
+        final.rename(old)
+        remove_path(old)
+    os.replace(partial, final)
+    _fsync(final.parent)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Why the checkpoint at `path` (a file, folder or link to one) is not intact, or None if it is.
+
+    A checkpoint written before checksums existed (no `.sha256` beside it) cannot be checked and
+    passes; loading it will tell."""
+    path = Path(path)
+    target = path.resolve()
+    if not target.exists():
+        return "missing" + (f" (the link points to {target.name})" if path.is_symlink() else "")
+    sums = target.with_name(target.name + CHECKSUM_SUFFIX)
+    if not sums.is_file():
+        return None
+    lines = [line.split("  ", 1) for line in sums.read_text().splitlines() if line.strip()]
+    if not lines or any(len(line) != 2 for line in lines):
+        return f"its checksum file {sums.name} is unreadable"
+    for digest, name in lines:
+        file = target.parent / target.name / name.partition("/")[2] if "/" in name else target
+        if not file.is_file():
+            return f"{file.relative_to(target.parent)} is missing"
+        if _sha256(file) != digest:
+            return (
+                f"{file.relative_to(target.parent)} does not match its checksum in {sums.name} "
+                f"(truncated or corrupted; {file.stat().st_size} bytes on disk)"
+            )
+    return None
 
 
 def describe_parts(parts: Parts) -> dict:
@@ -84,12 +205,17 @@ def load_pickle(path: str | Path, trust: bool = False) -> Any:
         detail = " ".join(str(err).split())
         if trust or "weights_only" not in detail:
             raise ValueError(f"{path}: not a readable checkpoint ({detail[:300]})") from None
-        found = re.search(r"GLOBAL ([\w.]+)", detail)
         raise ValueError(
-            f"{path}: refused: loading it would unpickle {found[1] if found else 'arbitrary objects'}, which can "
-            "run code. If you trust where it came from, convert it once to safetensors and use that file: "
+            f"{path}: refused: loading it would unpickle {unpickled_object(err)}, which can run code. If you trust "
+            "where it came from, convert it once to safetensors and use that file: "
             f"python scripts/convert.py --src {path} --dst {path.with_suffix('.safetensors')} --trust-pickle"
         ) from None
+
+
+def unpickled_object(err: BaseException) -> str:
+    """What a refused weights-only load would have had to unpickle, from torch's error message."""
+    found = re.search(r"GLOBAL ([\w.]+)", " ".join(str(err).split()))
+    return found[1] if found else "arbitrary objects"
 
 
 def _load_folder(path: Path) -> dict:

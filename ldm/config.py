@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -162,15 +163,16 @@ def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
     checkpoint = lightning.get("modelcheckpoint") or {}
     for k in checkpoint:
         if k != "params":
-            fail(sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (of ModelCheckpoint)")
-    from lightning.pytorch.callbacks import ModelCheckpoint
+            fail(sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (every_n_train_steps, keep)")
+    from ldm.callbacks.checkpoints import Checkpoints
 
     check_params(
         checkpoint.get("params") or {},
-        _signature(ModelCheckpoint),
+        _signature(Checkpoints),
         "lightning.modelcheckpoint.params",
         sources,
         skip=("dirpath",),
+        supplied=("dirpath",),
     )
     if lightning.get("logger") is not None:
         fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
@@ -226,6 +228,8 @@ def check_target_node(node: Any, key: str, sources: Sources | None = None, suppl
     params = node.get("params") or {}
     if not isinstance(params, Mapping):
         fail(sources, f"{key}.params", f"must be a mapping, got {_show(params)}")
+    if not callable(target):
+        fail(sources, f"{key}.target", f"{node['target']} is not a class or function to call")
     sig = _signature(target)
     positional = [n for n, p in sig.parameters.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
     if supplied and positional and supplied[0] not in sig.parameters:
@@ -266,7 +270,9 @@ def check_params(
         if name not in accepted or accepted[name].kind in (accepted[name].VAR_POSITIONAL, accepted[name].VAR_KEYWORD):
             if takes_kwargs:
                 continue
-            valid = ", ".join(n for n, p in accepted.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+            valid = ", ".join(
+                n for n, p in accepted.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in skip
+            )
             fail(sources, where, f"unknown parameter; valid: {valid}")
         check_value(value, accepted[name].annotation, where, sources)
     for name, p in accepted.items():
@@ -387,7 +393,27 @@ def to_plain(node: Any) -> Any:
 
 
 def instantiate(node: Any, key: str = "", **extra: Any) -> Any:
-    """Build `target(**params, **extra)` from a `{target, params}` node."""
+    """Build `target(**params, **extra)` from a `{target, params}` node.
+
+    A value the target rejects (`ValueError`, Lightning's `MisconfigurationException`) becomes a
+    `ConfigError` naming the node's key path, unless the message already names its own."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     target = import_target(node["target"], f"{key}.target")
     params = to_plain(node.get("params") or {})
-    return target(**params, **extra)
+    try:
+        return target(**params, **extra)
+    except ConfigError:
+        raise
+    except (ValueError, MisconfigurationException) as err:
+        raise rejected(key, err) from None
+
+
+def rejected(key: str, err: BaseException) -> ConfigError:
+    """A `ConfigError` for a value that the code built from `key` refused with `err`."""
+    message = _one_line(err)
+    return ConfigError(message if KEY_PATH.match(message) else f"{key}: {message}")
+
+
+# A message that starts with a key path (`data.params.root: ...`) already says where it comes from.
+KEY_PATH = re.compile(rf"^({'|'.join(TOP_LEVEL_KEYS)})\.[\w.\[\]]+[: ]")

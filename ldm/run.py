@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 import warnings
 from dataclasses import dataclass
@@ -13,9 +14,16 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ldm.callbacks.checkpoints import LAST, Checkpoints, saved_steps
 from ldm.callbacks.throughput import Throughput
-from ldm.checkpoint import COLOSSAL_FILES
-from ldm.config import ConfigError, Sources, check_config, instantiate, load_config, to_plain
+from ldm.checkpoint import (
+    COLOSSAL_FILES,
+    CheckpointError,
+    StreamingCheckpointIO,
+    unpickled_object,
+    verify_checkpoint,
+)
+from ldm.config import ConfigError, Sources, check_config, instantiate, load_config, rejected, to_plain
 
 log = logging.getLogger("ldm")
 
@@ -23,18 +31,13 @@ log = logging.getLogger("ldm")
 # With an external launcher (torchrun, SLURM) set it yourself to give all ranks the same folder.
 RUN_DIR_ENV = "LDM_RUN_DIR"
 
-# ModelCheckpoint writes `last.ckpt` every N steps, at a batch end, so a resume continues mid-epoch
-# exactly; FinalCheckpoint writes it when training stops. Lightning's own `save_last` would also save at
-# train end, after the loops have closed an epoch cut short by max_steps; resuming from that state
-# skips the rest of the epoch, so it is off.
-DEFAULT_CHECKPOINT = {
-    "filename": "last",
-    "save_top_k": 1,
-    "every_n_train_steps": 500,
-    "save_last": False,
-    "save_on_train_epoch_end": False,
-    "enable_version_counter": False,
-}
+
+class RunStopped(Exception):
+    """Training stopped early, by a stop signal or the non-finite loss guard, after saving a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -46,23 +49,47 @@ class Resume:
 
 
 def find_resume(resume: str, logdir: Path, name: str | None) -> Resume | None:
-    """Resolve `-r PATH|auto`: a checkpoint file, a run folder, or the newest run named `name`."""
+    """Resolve `-r PATH|auto`: a checkpoint, a run folder (its newest intact checkpoint), or, for `auto`,
+    the newest intact checkpoint of the newest run named `name` in `logdir` that has one."""
     if resume == "auto":
         if not name:
             raise ConfigError("-r auto needs -n NAME to know which run to continue")
-        runs = sorted(p for p in logdir.glob(f"*_{name}") if (p / "checkpoints" / "last.ckpt").exists())
-        if not runs:
-            log.info("-r auto: no run named %r with a checkpoint in %s; starting fresh", name, logdir)
-            return None
-        log.info("-r auto: resuming %s", runs[-1] / "checkpoints" / "last.ckpt")
-        return Resume(runs[-1], runs[-1] / "checkpoints" / "last.ckpt")
+        for run_dir in sorted(logdir.glob(f"*_{name}"), reverse=True):
+            found = _newest_intact(run_dir, "-r auto")
+            if found is not None:
+                return found
+        log.info("-r auto: no run named %r with an intact checkpoint in %s; starting a new run", name, logdir)
+        return None
     path = Path(resume)
     if path.is_file() or (path / COLOSSAL_FILES["trainer"]).is_file():  # a file, or a ColossalAIStrategy folder
+        problem = verify_checkpoint(path)
+        if problem:
+            raise ConfigError(f"-r {resume}: {problem}; -r auto -n NAME picks the newest intact checkpoint instead")
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return Resume(run_dir, path)
-    if path.is_dir() and (path / "checkpoints" / "last.ckpt").exists():
-        return Resume(path, path / "checkpoints" / "last.ckpt")
-    raise ConfigError(f"-r {resume}: neither a checkpoint file nor a run folder with checkpoints/last.ckpt")
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        found = _newest_intact(path, f"-r {resume}")
+        if found is not None:
+            return found
+    raise ConfigError(f"-r {resume}: neither a checkpoint nor a run folder with an intact checkpoint in checkpoints/")
+
+
+def _newest_intact(run_dir: Path, flag: str) -> Resume | None:
+    """The newest step checkpoint of a run whose checksum holds (skipping, and saying so, any that
+    do not), or the `last.ckpt` of a run written before step checkpoints existed."""
+    folder = run_dir / "checkpoints"
+    candidates = [path for _, path in saved_steps(folder)]
+    legacy = folder / LAST
+    if legacy.exists() and not legacy.is_symlink():
+        candidates.append(legacy)
+    for ckpt in candidates:
+        problem = verify_checkpoint(ckpt)
+        if problem:
+            log.warning("%s: skipping %s: %s", flag, ckpt, problem)
+            continue
+        log.info("%s: resuming %s", flag, ckpt)
+        return Resume(run_dir, ckpt)
+    return None
 
 
 def prepare_config(bases: list[str], overrides: list[str], resume: Resume | None) -> tuple[DictConfig, Sources]:
@@ -76,23 +103,6 @@ def prepare_config(bases: list[str], overrides: list[str], resume: Resume | None
     return cfg, sources
 
 
-class FinalCheckpoint(pl.Callback):
-    """Save `last.ckpt` when training ends: at the last step's batch end, so a resume with a
-    larger `max_steps` continues mid-epoch exactly; or at the end of the last epoch."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self._saved_step = path, -1
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
-        if 0 < trainer.max_steps <= trainer.global_step and self._saved_step != trainer.global_step:
-            trainer.save_checkpoint(self.path)
-            self._saved_step = trainer.global_step
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._saved_step != trainer.global_step:
-            trainer.save_checkpoint(self.path)
-
-
 def auto_precision() -> str:
     """Mixed precision where the hardware has it: bf16 or fp16 on CUDA, full precision on a CPU."""
     if torch.cuda.is_available():
@@ -102,7 +112,8 @@ def auto_precision() -> str:
 
 def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.Trainer:
     """A Trainer with checkpoints, TensorBoard + CSV logs and the configured callbacks."""
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     lightning_cfg = cfg.get("lightning") or OmegaConf.create()
@@ -112,14 +123,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
         trainer_kwargs["strategy"] = instantiate(strategy, "lightning.trainer.strategy")
     trainer_kwargs.setdefault("precision", auto_precision())
     trainer_kwargs.setdefault("use_distributed_sampler", not uses_our_sampler)
-    checkpoint_params = {
-        **DEFAULT_CHECKPOINT,
-        **to_plain((lightning_cfg.get("modelcheckpoint") or {}).get("params") or {}),
-    }
+    checkpoint_params = to_plain((lightning_cfg.get("modelcheckpoint") or {}).get("params") or {})
     callbacks = [
         Throughput(),
-        ModelCheckpoint(dirpath=run_dir / "checkpoints", **checkpoint_params),
-        FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"),
+        Checkpoints(run_dir / "checkpoints", **checkpoint_params),
         LearningRateMonitor(logging_interval="step"),
     ]
     for name, node in (lightning_cfg.get("callbacks") or {}).items():
@@ -129,7 +136,13 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
         TensorBoardLogger(run_dir, name="", version="tensorboard"),
         CSVLogger(run_dir, name="csv", version=time.strftime("%Y-%m-%dT%H-%M-%S")),  # one file per launch
     ]
-    return pl.Trainer(default_root_dir=run_dir, callbacks=callbacks, logger=loggers, **trainer_kwargs)
+    plugins = [*(trainer_kwargs.pop("plugins", None) or []), StreamingCheckpointIO()]
+    try:
+        return pl.Trainer(
+            default_root_dir=run_dir, callbacks=callbacks, logger=loggers, plugins=plugins, **trainer_kwargs
+        )
+    except (ValueError, MisconfigurationException) as err:  # e.g. an unknown strategy name, no GPU for gpu
+        raise rejected("lightning.trainer", err) from None
 
 
 LOGGERS = ("ldm", "lightning.pytorch")
@@ -169,17 +182,24 @@ def train(
     inherited = RUN_DIR_ENV in os.environ
     os.environ[RUN_DIR_ENV] = str(run_dir)  # the processes Lightning starts for the other ranks inherit it
     try:
-        _fit(cfg, run_dir, seed, resumed)
+        checkpoints = _fit(cfg, run_dir, seed, resumed)
     finally:  # a second run in the same process must not write into this run's folder or log
         if not inherited:
             del os.environ[RUN_DIR_ENV]
         for name in LOGGERS:
             logging.getLogger(name).removeHandler(handler)
         handler.close()
+    if checkpoints.signal is not None:
+        raise RunStopped(
+            f"stopped by {checkpoints.stopped_by}; saved {checkpoints.last_saved}; continue with -r auto",
+            128 + checkpoints.signal,
+        )
+    if checkpoints.stopped_by not in (None, "trainer.should_stop"):
+        raise RunStopped(f"stopped: {checkpoints.stopped_by}; saved {checkpoints.last_saved}", 1)
     return run_dir
 
 
-def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> None:
+def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> Checkpoints:
     from ldm.data import DataModule
 
     pl.seed_everything(seed, workers=True)
@@ -198,5 +218,17 @@ def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> N
     with warnings.catch_warnings():
         # Frozen parts (VAE, text encoder) are kept in eval mode on purpose; Lightning warns about it.
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+        # The non-finite loss guard returns None on purpose, and logs the step itself.
+        warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
         # weights_only: resuming never runs code from the checkpoint (ours hold tensors and plain types only)
-        trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None, weights_only=True)
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None, weights_only=True)
+        except pickle.UnpicklingError as err:
+            if resumed is None:
+                raise
+            raise CheckpointError(
+                f"-r {resumed.ckpt}: refused: resuming would unpickle {unpickled_object(err)}, which can run code. "
+                "main.py writes tensors and plain values only, so this checkpoint was changed after it was saved; "
+                "resume from one you trust"
+            ) from None
+    return trainer.checkpoint_callback

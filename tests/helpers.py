@@ -99,3 +99,64 @@ class RecordZeroBytes(pl.Callback):
             "master_device": str(masters[0].device),
         }
         self.path.write_text(json.dumps(record))
+
+
+class RecordLosses(pl.Callback):
+    """Append `{"step", "loss"}` of every training batch to a JSON-lines file (loss null when skipped)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].item() if outputs else None  # empty when training_step skipped the batch
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "loss": loss}) + "\n")
+
+
+class SendSignal(pl.Callback):
+    """Send `signal` to this process at the end of step `step` (on rank `rank` only); each rank writes
+    `RANK.done` into `done_dir` when its fit ends, so a test can see that every rank got out."""
+
+    def __init__(self, step: int, signal: str, rank: int = 0, done_dir: str | None = None) -> None:
+        self.step, self.signal, self.rank, self.done_dir = step, signal, rank, done_dir
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        import os
+        import signal
+
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), getattr(signal, self.signal))
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if self.done_dir:
+            (Path(self.done_dir) / f"{trainer.global_rank}.done").write_text(str(trainer.global_step))
+
+
+class _KillWhenPickled:
+    def __reduce__(self):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillDuringSave(pl.Callback):
+    """kill -9 this process while it writes the checkpoint of step `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_step == self.step:
+            checkpoint["kill"] = _KillWhenPickled()
+
+
+class PoisonBatch(pl.Callback):
+    """Make the batches of the given steps (1-based, as logged) NaN: a transient non-finite loss."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = set(steps)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 in self.steps:
+            batch["pixel_values"].fill_(float("nan"))

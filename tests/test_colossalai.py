@@ -8,6 +8,7 @@ training is checked by `benchmarks/gpu_8gb.py` on a GPU.
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -94,6 +95,34 @@ def test_resume_restores_exactly_what_was_saved(run, tiny_sd, image_folder, tmp_
                 b = torch.load(again / sub / file.name, weights_only=True)
             assert _equal(a, b), f"{sub}/{file.name} changed across load and save"
     assert _equal(load_file(saved / "master.safetensors"), load_file(again / "master.safetensors"))
+
+
+def test_resuming_a_folder_never_runs_code_from_its_optimizer_shards(run, tiny_sd, image_folder, tmp_path, capsys):
+    """Colossal-AI reads its optimizer shards with torch's default, which unpickles anything on torch 2.5;
+    ours are read weights-only. The planted shard's checksum is rewritten too, as an attacker would."""
+    from ldm.checkpoint import publish_checkpoint
+    from tests.test_single_file import Payload
+
+    copy = shutil.copytree(run, tmp_path / "logs" / run.name, symlinks=True)
+    folder = (copy / "checkpoints" / "last.ckpt").resolve()
+    for shard in sorted((folder / COLOSSAL_FILES["optimizer"]).glob("*.bin")):
+        state = torch.load(shard, weights_only=True)
+        payload = Payload(tmp_path / "marker")
+        torch.save([*state, payload] if isinstance(state, list) else {**state, "planted": payload}, shard)
+    partial = folder.with_name(folder.name + ".partial")
+    folder.rename(partial)
+    publish_checkpoint(partial, folder)
+    try:
+        code = main(args(tiny_sd, image_folder, tmp_path / "logs", "lightning.trainer.max_steps=4", "-r", "auto"))
+    finally:  # whatever Colossal-AI makes of the planted shard afterwards
+        assert not (tmp_path / "marker").exists(), "the planted object ran"
+    assert code == 1
+    err = capsys.readouterr().err
+    # torch names the first global it refuses: the payload's class, or (torch 2.5) the getattr its pickle calls
+    assert re.search(
+        r"refused: resuming would unpickle (tests\.test_single_file\.Payload|builtins\.getattr), which", err
+    )
+    assert not (tmp_path / "marker").exists()
 
 
 def _equal(a, b, exact: bool = True) -> bool:

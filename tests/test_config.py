@@ -122,3 +122,53 @@ def test_main_prints_one_line_and_exits_2(capsys, valid, tmp_path):
     assert code == 2
     assert err == ["config error: model.params.snr_gamma (command line): expected float or null, got str 'high'"]
     assert not list(tmp_path.iterdir()), "nothing is written when the config is invalid"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.params.batch_size=0", "data.params.batch_size: got 0; must be at least 1"),
+        ("data.params.num_workers=-1", "data.params.num_workers: got -1; must be 0"),
+        ("data.params.caption_dropout=2", "data.params.caption_dropout: got 2; must be in [0, 1]"),
+        ("data.params.root=EMPTY", "data.params.root: no images (.png, .jpg"),
+        ("model.params.learning_rate=-1", "model.params.learning_rate: got -1; must be positive"),
+        ("model.params.pretrained=NOTES", "model.params.pretrained: NOTES: expected a .safetensors or .ckpt file"),
+        (
+            "model.params.optimizer.params.betas=[5,0.9]",
+            "model.params.optimizer.params: torch.optim.AdamW rejects them: Invalid beta parameter at index 0: 5",
+        ),
+        (
+            "lightning.trainer.strategy=fsdpp",
+            "lightning.trainer: You selected an invalid strategy name: `strategy='fsdpp'`",
+        ),
+        ("lightning.callbacks.ema.params.decay=2", "lightning.callbacks.ema: decay: got 2; must be in (0, 1)"),
+        ("lightning.modelcheckpoint.params.keep=0", "lightning.modelcheckpoint.params.keep: got 0; must be at least 1"),
+        (
+            "lightning.modelcheckpoint.params.save_top_k=3",
+            "lightning.modelcheckpoint.params.save_top_k (command line): unknown parameter; "
+            "valid: every_n_train_steps, keep",
+        ),
+        (
+            "lightning.callbacks.env.target=os.environ",
+            "lightning.callbacks.env.target (command line): os.environ is not a class or function to call",
+        ),
+        (
+            "lightning.callbacks.evil.target=/tmp/evil.py",
+            "lightning.callbacks.evil.target (command line): cannot import '/tmp/evil.py'",
+        ),
+    ],
+)
+def test_bad_values_anywhere_are_one_line_naming_the_key(override, message, capsys, valid, tmp_path):
+    """Values only the code they configure can judge (Lightning's, torch's, ours) still fail in one line."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not weights")
+    override = override.replace("EMPTY", str(tmp_path / "empty"))
+    message = message.replace("NOTES", str(tmp_path / "notes.txt"))
+    override = override.replace("NOTES", str(tmp_path / "notes.txt"))
+    argv = ["-t", "-b", str(SD_FOLDER), "-l", str(tmp_path / "logs"), *valid, "data.params.size=16",
+            "lightning.trainer.max_steps=1", "lightning.callbacks.image_logger=null", override]  # fmt: skip
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith(f"config error: {message}"), err[-1]
+    assert not list((tmp_path / "logs").glob("*/checkpoints/*")), "no checkpoint"

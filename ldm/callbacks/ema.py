@@ -18,7 +18,7 @@ class EMA(pl.Callback):
 
     def __init__(self, decay: float = 0.9999, every_n_steps: int = 1, start_step: int = 0) -> None:
         if not 0.0 < decay < 1.0:
-            raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
+            raise ValueError(f"decay: got {decay}; must be in (0, 1)")
         self.decay, self.every_n_steps, self.start_step = decay, every_n_steps, start_step
         self.shadow: dict[str, torch.Tensor] = {}
         self.updates = 0

@@ -25,7 +25,7 @@ class ImageLogger(pl.Callback):
         at_end: bool = True,
     ) -> None:
         if not prompts:
-            raise ValueError("image_logger.params.prompts must list at least one prompt")
+            raise ValueError("prompts: must list at least one prompt")
         self.prompts, self.every_n_steps, self.num_per_prompt = list(prompts), every_n_steps, num_per_prompt
         self.num_inference_steps, self.guidance_scale = num_inference_steps, guidance_scale
         self.sampler, self.seed, self.at_end = sampler, seed, at_end

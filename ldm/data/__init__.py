@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ldm.config import TargetSpec, instantiate
+from ldm.config import ConfigError, TargetSpec, instantiate
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,13 @@ class DataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if not 0.0 <= caption_dropout <= 1.0:
-            raise ValueError(f"data.params.caption_dropout must be in [0, 1], got {caption_dropout}")
+            raise ConfigError(f"data.params.caption_dropout: got {caption_dropout}; must be in [0, 1]")
         if batch_size < 1:
-            raise ValueError(f"data.params.batch_size must be at least 1, got {batch_size}")
+            raise ConfigError(f"data.params.batch_size: got {batch_size}; must be at least 1")
+        if num_workers < 0:
+            raise ConfigError(
+                f"data.params.num_workers: got {num_workers}; must be 0 (load in the main process) or more"
+            )
         self.dataset_spec = dataset
         self.batch_size, self.num_workers, self.shuffle, self.seed = batch_size, num_workers, shuffle, seed
         self.caption_dropout, self.cache_latents = caption_dropout, cache_latents
@@ -140,7 +144,7 @@ class DataModule(pl.LightningDataModule):
             return
         dataset = self.build_dataset()
         if len(dataset) == 0:
-            raise ValueError("data: the dataset is empty; check data.params (root, files, captions)")
+            raise ConfigError("data.params.dataset: the dataset is empty; check data.params (root, files, captions)")
         if self.cache_latents:
             dataset = self._encode_all(dataset)
         self.dataset = dataset
@@ -174,6 +178,9 @@ class DataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             position=self._position,
+            # Worker seeds come from here, not the global generator, so starting an epoch's iterator
+            # draws nothing from the random state a resumed run restores.
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def _position(self) -> dict[str, int]:

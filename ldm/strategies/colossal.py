@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import shutil
 import types
 from collections.abc import Callable, Generator, Mapping
@@ -65,6 +66,8 @@ GEMINI_ONLY = (
     "pin_memory",
     "force_outputs_fp32",
 )
+# torch reads this at every `torch.load` call (torch >= 2.4).
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 ZERO_ONLY = ("stage", "cpu_offload", "reduce_bucket_size_m", "overlap_communication")
 
 
@@ -94,7 +97,7 @@ class ColossalAIPrecision(Precision):
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and isinstance(model, pl.LightningModule) and model.automatic_optimization:
-            raise RuntimeError("ColossalAIStrategy needs training_step to return a loss; it returned None")
+            return None  # training_step skipped this batch (the non-finite loss guard): no update
         _unwrap(optimizer).step()  # skips the update (and lowers the loss scale) on fp16 overflow
         return closure_result
 
@@ -381,15 +384,16 @@ class ColossalAIStrategy(DDPStrategy):
                 f"{path}: not a ColossalAIStrategy checkpoint folder (no {COLOSSAL_FILES['trainer']}); "
                 "to start from plain weights, set model.params.pretrained instead of -r"
             )
-        self.booster.load_model(self.model, str(path / COLOSSAL_FILES["model"]))
-        if (path / COLOSSAL_FILES["master"]).is_file():
-            self._restore_master_weights(path / COLOSSAL_FILES["master"])
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.optimizers and (path / COLOSSAL_FILES["optimizer"]).exists():
-            inner = self._nvme_optimizer()
-            with _plain_state_dict(inner) if inner is not None else contextlib.nullcontext():
-                self.booster.load_optimizer(_unwrap(self.optimizers[0]), str(path / COLOSSAL_FILES["optimizer"]))
-            self._offload_loaded_states_to_nvme()
+        with _weights_only_loads():
+            self.booster.load_model(self.model, str(path / COLOSSAL_FILES["model"]))
+            if (path / COLOSSAL_FILES["master"]).is_file():
+                self._restore_master_weights(path / COLOSSAL_FILES["master"])
+            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+            if fitting and self.optimizers and (path / COLOSSAL_FILES["optimizer"]).exists():
+                inner = self._nvme_optimizer()
+                with _plain_state_dict(inner) if inner is not None else contextlib.nullcontext():
+                    self.booster.load_optimizer(_unwrap(self.optimizers[0]), str(path / COLOSSAL_FILES["optimizer"]))
+                self._offload_loaded_states_to_nvme()
         return torch.load(path / COLOSSAL_FILES["trainer"], map_location="cpu", weights_only=True)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -508,6 +512,21 @@ def _plain_state_dict(optimizer: Optimizer) -> Generator[None, None, None]:
         yield
     finally:
         del optimizer.state_dict, optimizer.load_state_dict
+
+
+@contextlib.contextmanager
+def _weights_only_loads() -> Generator[None, None, None]:
+    """Make every `torch.load` inside (Colossal-AI's, for optimizer shards) weights-only, as ours are: its
+    own calls leave it to torch's default, which is to unpickle anything on torch 2.5."""
+    before = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[FORCE_WEIGHTS_ONLY]
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = before
 
 
 def _leave_hooks(self: Any) -> None:

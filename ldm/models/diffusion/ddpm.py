@@ -6,6 +6,7 @@ The networks are library classes passed in (or described by config and built by
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -16,6 +17,11 @@ from ldm import diffusion
 from ldm.config import ConfigError, ExistingPath, import_target, supplied
 from ldm.lora import LoraSpec, add_lora, is_lora_key
 from ldm.models.parts import Parts, PartSpec, build_parts, prepare_for_training, set_attention
+
+log = logging.getLogger(__name__)
+
+# Skipping more non-finite losses than this in a row means the weights or data are broken: stop.
+MAX_SKIPS_IN_A_ROW = 10
 
 
 class LatentDiffusion(pl.LightningModule):
@@ -43,8 +49,11 @@ class LatentDiffusion(pl.LightningModule):
         channels_last: bool = False,
         frozen_dtype: Literal["float32", "float16", "bfloat16"] | None = None,
         lora: LoraSpec | None = None,
+        nonfinite_loss: Literal["skip", "stop"] = "skip",
     ) -> None:
         super().__init__()
+        if learning_rate <= 0:
+            raise ConfigError(f"model.params.learning_rate: got {learning_rate}; must be positive")
         self._specs = {"unet": unet, "vae": vae, "text_encoder": text_encoder}
         self._specs.update(tokenizer=tokenizer, scheduler=scheduler)
         self.pretrained, self.requested_prediction_type = pretrained, prediction_type
@@ -62,6 +71,8 @@ class LatentDiffusion(pl.LightningModule):
         self.lora = dict(lora) if lora is not None else None
         self.strict_loading = self.lora is None  # a LoRA checkpoint holds the adapters only
         self.run_config: dict | None = None  # the resolved config, set by ldm.run and saved in checkpoints
+        self.nonfinite_loss, self.skipped_steps, self._skips_in_a_row = nonfinite_loss, 0, 0
+        self.stop_reason: str | None = None  # set when the guard stops the run; the checkpoint callback reports it
         self._built = False
         if all(isinstance(self._specs[name], torch.nn.Module) for name in ("unet", "vae", "text_encoder")):
             self.configure_model()  # networks passed in: nothing to load
@@ -145,8 +156,39 @@ class LatentDiffusion(pl.LightningModule):
         if self.snr_gamma is not None:
             weights = diffusion.min_snr_weights(t, self.alphas_cumprod, self.snr_gamma, self.prediction_type)
         loss = diffusion.diffusion_loss(prediction, target, weights)
+        if not self._loss_is_finite(loss):
+            return None  # Lightning skips backward and the optimizer step
         self.log("train/loss", loss, prog_bar=True, batch_size=latents.shape[0])
         return loss
+
+    def _loss_is_finite(self, loss: torch.Tensor) -> bool:
+        """Guard against NaN/inf losses, on every rank at once: skip the step's update, or stop the run
+        (`nonfinite_loss`); a run of `MAX_SKIPS_IN_A_ROW` skipped steps stops it too."""
+        finite = bool(torch.isfinite(loss))
+        if self._trainer is not None:
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if finite:
+            self._skips_in_a_row = 0
+            return True
+        step, value = self.global_step + 1, float(loss.detach())
+        self.skipped_steps += 1
+        self._skips_in_a_row += 1
+        setting = f"model.params.nonfinite_loss: {self.nonfinite_loss}"
+        if self.nonfinite_loss == "stop" or self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
+            why = setting if self.nonfinite_loss == "stop" else f"{MAX_SKIPS_IN_A_ROW} steps in a row skipped"
+            self.stop_reason = f"non-finite loss ({value}) at step {step} ({why})"
+            if self._trainer is not None:
+                self.trainer.should_stop = True
+            log.error("step %d: loss is %s; stopping with the weights from before this step", step, value)
+        else:
+            log.warning(
+                "step %d: loss is %s; skipped this step's update (%s; %d skipped so far)",
+                step,
+                value,
+                setting,
+                self.skipped_steps,
+            )
+        return False
 
     def configure_optimizers(self) -> dict:
         from diffusers.optimization import get_scheduler
@@ -154,7 +196,10 @@ class LatentDiffusion(pl.LightningModule):
         params = [p for name in self.trainable for p in getattr(self, name).parameters() if p.requires_grad]
         spec = self.optimizer_spec
         optimizer_cls = import_target(spec["target"], "model.params.optimizer.target")
-        optimizer = optimizer_cls(params, lr=self.learning_rate, **(spec.get("params") or {}))
+        try:
+            optimizer = optimizer_cls(params, lr=self.learning_rate, **(spec.get("params") or {}))
+        except ValueError as err:  # e.g. betas out of range
+            raise ConfigError(f"model.params.optimizer.params: {spec['target']} rejects them: {err}") from None
         total = self.trainer.estimated_stepping_batches if self.lr_schedule != "constant" else None
         name = "constant_with_warmup" if self.lr_schedule == "constant" else self.lr_schedule
         schedule = get_scheduler(
