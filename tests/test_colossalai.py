@@ -118,10 +118,8 @@ def test_resuming_a_folder_never_runs_code_from_its_optimizer_shards(run, tiny_s
         assert not (tmp_path / "marker").exists(), "the planted object ran"
     assert code == 1
     err = capsys.readouterr().err
-    # torch names the first global it refuses: the payload's class, or (torch 2.5) the getattr its pickle calls
-    assert re.search(
-        r"refused: resuming would unpickle (tests\.test_single_file\.Payload|builtins\.getattr), which", err
-    )
+    # torch names the first global it refuses: the getattr that the payload's pickle calls
+    assert re.search(r"refused: resuming would unpickle (builtins\.)?getattr, which can run code", err)
     assert not (tmp_path / "marker").exists()
 
 

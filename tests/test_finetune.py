@@ -189,10 +189,8 @@ def test_resuming_never_runs_code_from_the_checkpoint(run, tiny_sd, image_folder
     argv = args(tiny_sd, image_folder, tmp_path / "logs", "lightning.trainer.max_steps=4")
     assert main([*argv, "-r", str(copy / "checkpoints" / "last.ckpt")]) == 1
     err = capsys.readouterr().err
-    # torch names the first global it refuses: the payload's class, or (torch 2.5) the getattr its pickle calls
-    assert re.search(
-        r"refused: resuming would unpickle (tests\.test_single_file\.Payload|builtins\.getattr), which", err
-    )
+    # torch names the first global it refuses: the getattr that the payload's pickle calls
+    assert re.search(r"refused: resuming would unpickle (builtins\.)?getattr, which can run code", err)
     assert not (tmp_path / "marker").exists()
 
 
