@@ -408,3 +408,19 @@ def test_two_processes_shard_save_gather_and_resume(tiny_sd, tmp_path):
     before = load_file(tiny_sd / "unet" / "diffusion_pytorch_model.safetensors")
     assert {k: v.shape for k, v in masters.items()} == {f"unet.{k}": v.shape for k, v in before.items()}
     assert all(torch.equal(masters[k].bfloat16(), working[k]) for k in masters), "each rank's shard in its place"
+
+
+def test_zero_skips_a_non_finite_loss(tiny_sd, image_folder, tmp_path):
+    """The guard's skipped step reaches the booster's optimizer as no step at all; training goes on."""
+    rec = tmp_path / "losses.jsonl"
+    extra = [
+        "lightning.trainer.max_steps=4", "lightning.callbacks.image_logger=null",
+        "lightning.callbacks.rec.target=tests.helpers.RecordLosses", f"lightning.callbacks.rec.params.path={rec}",
+        "lightning.callbacks.nan.target=tests.helpers.PoisonBatch", "lightning.callbacks.nan.params.steps=[2]",
+    ]  # fmt: skip
+    run_dir = train_once(args(tiny_sd, image_folder, tmp_path / "logs", *extra), tmp_path / "logs")
+    losses = {row["step"]: row["loss"] for row in map(json.loads, rec.read_text().splitlines())}
+    assert losses[2] is None and all(losses[s] is not None for s in (1, 3, 4))
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 4
+    assert all(torch.isfinite(t.float()).all() for t in ckpt["state_dict"].values())

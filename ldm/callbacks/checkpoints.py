@@ -164,6 +164,8 @@ class Checkpoints(Checkpoint):
         step = trainer.global_step
         final = step_path(self.dirpath, step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        if trainer.is_global_zero:  # make room first: at most max(keep, 2) checkpoints are ever on disk
+            self._prune(step, max(self.keep - 1, 1), leftovers=False)
         io = trainer.strategy.checkpoint_io
         streaming = isinstance(io, StreamingCheckpointIO)
         if streaming:
@@ -214,17 +216,17 @@ class Checkpoints(Checkpoint):
             remove_path(last)
         os.replace(link, last)
 
-    def _prune(self, step: int) -> None:
+    def _prune(self, step: int, keep: int | None = None, leftovers: bool = True) -> None:
         """Keep the newest `keep` checkpoints up to `step`; later ones belong to a run that was resumed
-        from before them, and leftovers of interrupted saves go too."""
-        kept = 0
+        from before them. `leftovers`: also remove what interrupted saves left."""
+        kept, keep = 0, self.keep if keep is None else keep
         for saved, path in saved_steps(self.dirpath):
-            if saved <= step and kept < self.keep:
+            if saved <= step and kept < keep:
                 kept += 1
                 continue
             remove_path(path)
             remove_path(path.with_name(path.name + CHECKSUM_SUFFIX))
-        for leftover in self.dirpath.glob(f"*{PARTIAL_SUFFIX}"):
+        for leftover in self.dirpath.glob(f"*{PARTIAL_SUFFIX}") if leftovers else ():
             remove_path(leftover)
 
     # -- state --------------------------------------------------------------------------------------
