@@ -120,4 +120,9 @@ def test_a_run_with_bad_files_in_worker_processes_trains_and_says_so(tiny_sd, tm
     run_dir = train_once(argv, logdir)
     listed = sorted(line.split("\t")[0].rsplit("/", 1)[1] for line in (run_dir / BAD_SAMPLES).read_text().splitlines())
     assert set(listed) == {"a_truncated.jpg", "b_empty.png", "c_text.jpg"}
-    assert "data: skipping" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "data: skipping" in log
+    assert (
+        f"data: 3 undecodable file(s) skipped so far in this run, each replaced by the next image; listed in {run_dir}"
+        in log
+    )

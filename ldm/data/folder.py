@@ -185,3 +185,19 @@ class FolderDataModule(DataModule):
             },
         }
         super().__init__(dataset, batch_size, num_workers, shuffle, seed, caption_dropout, cache_latents)
+
+    def teardown(self, stage: str) -> None:
+        """Sum up the skipped files of every process (workers and ranks log each their own) in one line."""
+        from ldm.run import RUN_DIR_ENV
+
+        listing = Path(os.environ.get(RUN_DIR_ENV, "")) / BAD_SAMPLES
+        if stage != "fit" or not os.environ.get(RUN_DIR_ENV) or not listing.is_file():
+            return
+        if self.trainer is not None and not self.trainer.is_global_zero:
+            return
+        files = {line.split("\t", 1)[0] for line in listing.read_text(encoding="utf-8").splitlines() if line}
+        log.warning(
+            "data: %d undecodable file(s) skipped so far in this run, each replaced by the next image; listed in %s",
+            len(files),
+            listing,
+        )
