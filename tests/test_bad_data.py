@@ -19,7 +19,7 @@ def pixel(example: dict) -> torch.Tensor:
     return ((values[:, values.shape[1] // 2, values.shape[2] // 2] + 1) * 127.5).round()
 
 
-def test_modes_decode_to_what_the_pixels_mean(tmp_path):
+def test_modes_decode_to_what_the_pixels_mean(tmp_path, caplog):
     Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg", quality=100)  # pure red
     sixteen = np.full((8, 8), 65535 // 2, dtype=np.uint16)
     Image.fromarray(sixteen).save(tmp_path / "sixteen.png")  # mid grey at 16 bits
@@ -33,7 +33,10 @@ def test_modes_decode_to_what_the_pixels_mean(tmp_path):
     Image.new("RGB", (8, 4), (255, 255, 255)).save(tmp_path / "rotated.jpg", exif=exif)
     expected = {"cmyk": (255, 0, 0), "sixteen": (128, 128, 128), "clear": (255, 255, 255),
                 "palette": (0, 0, 255), "tiny": (0, 255, 0)}  # fmt: skip
-    data = FolderDataset(tmp_path, size=4)
+    with caplog.at_level("WARNING", logger="ldm.data.folder"):
+        data = FolderDataset(tmp_path, size=4)
+    assert f"6 of 6 images in {tmp_path} have no .txt caption; they train with an empty caption" in caplog.text
+    assert {caption for _, caption in data.examples} == {""}
     names = [path.stem for path, _ in data.examples]
     for i, name in enumerate(names):
         if name in expected:
