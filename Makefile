@@ -46,6 +46,12 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The benchmarks (minutes each; see README "Performance"). CI runs only their --smoke modes, in the tests.
+bench: setup
+	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/time_to_quality.py
+
 format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .

@@ -27,20 +27,26 @@ def load_trained_vae(ckpt_path: Path) -> torch.nn.Module:
     return vae
 
 
+def train_autoencoder(out: Path, steps: int | None = None) -> float:
+    """Stage 1: train the digits autoencoder, save it calibrated to `out/vae`; returns its latent scale."""
+    from ldm.models.autoencoder import save_calibrated_vae
+
+    overrides = [f"lightning.trainer.max_steps={steps}"] if steps else []
+    run = train([str(CONFIGS / "digits-autoencoder.yaml")], overrides, out / "logs", "digits-autoencoder", seed=0)
+    vae = load_trained_vae(run / "checkpoints" / "last.ckpt")
+    return save_calibrated_vae(vae, DigitsDataset().images, out / "vae")
+
+
 def run_quickstart(
     out: Path, autoencoder_steps: int | None = None, ldm_steps: int | None = None, samples_per_digit: int = 10
 ) -> dict:
     """Train both stages, export the pipeline, draw `samples.png` and score it; returns the report."""
     from ldm.digit_eval import evaluate_pipeline
-    from ldm.models.autoencoder import save_calibrated_vae
 
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {}
     start = time.perf_counter()
-    overrides = [f"lightning.trainer.max_steps={autoencoder_steps}"] if autoencoder_steps else []
-    run = train([str(CONFIGS / "digits-autoencoder.yaml")], overrides, out / "logs", "digits-autoencoder", seed=0)
-    vae = load_trained_vae(run / "checkpoints" / "last.ckpt")
-    report["latent_scaling_factor"] = save_calibrated_vae(vae, DigitsDataset().images, out / "vae")
+    report["latent_scaling_factor"] = train_autoencoder(out, autoencoder_steps)
     report["autoencoder_seconds"] = round(time.perf_counter() - start, 1)
 
     overrides = [f"model.params.vae.pretrained={out / 'vae'}"]

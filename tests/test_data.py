@@ -83,3 +83,50 @@ def test_digits():
     assert len(ds) == 1797 and len(DigitsDataset(split="test")) == 180
     assert ds[0]["caption"] == "a handwritten digit 0"
     assert ds[0]["pixel_values"].shape == (1, 32, 32)
+
+
+class CountTextEncoderCalls(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
+    """Count the text encoder's forward calls during the training batches, into `path`."""
+
+    def __init__(self, path: str) -> None:
+        from pathlib import Path
+
+        self.path, self.calls = Path(path), 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.text_encoder.register_forward_hook(lambda *args: setattr(self, "calls", self.calls + 1))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.path.write_text(str(self.calls))
+
+
+def test_cached_latents_and_text_train_exactly_as_encoding_every_step(tiny_sd, image_folder, tmp_path):
+    from tests.helpers import finetune_args, train_once
+
+    def losses(name: str, *extra: str) -> tuple[list[float], int]:
+        logdir, rec, calls = tmp_path / name, tmp_path / f"{name}.jsonl", tmp_path / f"{name}.calls"
+        train_once(finetune_args(tiny_sd, image_folder, logdir, "lightning.callbacks.image_logger=null",
+                                 "data.params.flip=false", "data.params.caption_dropout=0.5",
+                                 "lightning.trainer.max_steps=4", "lightning.callbacks.ema=null",
+                                 "lightning.callbacks.rec.target=tests.helpers.RecordLosses",
+                                 f"lightning.callbacks.rec.params.path={rec}",
+                                 "lightning.callbacks.count.target=tests.test_data.CountTextEncoderCalls",
+                                 f"lightning.callbacks.count.params.path={calls}", *extra), logdir)  # fmt: skip
+        import json
+
+        return [json.loads(line)["loss"] for line in rec.read_text().splitlines()], int(calls.read_text())
+
+    every_step, calls = losses("every_step")
+    cached, cached_calls = losses("cached", "data.params.cache_latents=true", "data.params.cache_text=true")
+    assert calls == 4 and cached_calls == 0, "the text encoder runs each step, or never once cached"
+    torch.testing.assert_close(torch.tensor(cached), torch.tensor(every_step), rtol=1e-5, atol=1e-6)
+
+
+def test_cache_text_refuses_a_training_text_encoder(tiny_sd, image_folder, tmp_path, capsys):
+    from main import main
+    from tests.helpers import finetune_args
+
+    argv = finetune_args(tiny_sd, image_folder, tmp_path / "logs", "lightning.callbacks.image_logger=null",
+                         "data.params.cache_text=true", "model.params.trainable=[unet,text_encoder]")  # fmt: skip
+    assert main(argv) == 2
+    assert "config error: data.params.cache_text: the text encoder trains" in capsys.readouterr().err

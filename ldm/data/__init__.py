@@ -58,10 +58,10 @@ class ResumableSampler(Sampler):
 
 class _Indexed(Dataset):
     """Index with the sampler's tuples: the example (seeded if the dataset has `get(index, seed)`),
-    its caption emptied when asked."""
+    its caption emptied when asked, with its caption's text embedding when they were cached."""
 
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset, text_cache: _TextCache | None = None) -> None:
+        self.dataset, self.text_cache = dataset, text_cache
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -72,7 +72,19 @@ class _Indexed(Dataset):
         example = dict(get(index, seed) if callable(get) else self.dataset[index])
         if drop:
             example["caption"] = ""
+        if self.text_cache is not None:
+            example["text_embeddings"] = self.text_cache.embedding(index, drop)
         return example
+
+
+class _TextCache:
+    """Each distinct caption's text embedding, computed once; `embedding(index, dropped)` looks one up."""
+
+    def __init__(self, embeddings: torch.Tensor, caption_ids: torch.Tensor, empty: torch.Tensor) -> None:
+        self.embeddings, self.caption_ids, self.empty = embeddings, caption_ids, empty
+
+    def embedding(self, index: int, dropped: bool) -> torch.Tensor:
+        return self.empty if dropped else self.embeddings[self.caption_ids[index]]
 
 
 class _LatentCache(Dataset):
@@ -120,6 +132,7 @@ class DataModule(pl.LightningDataModule):
         seed: int = 0,
         caption_dropout: float = 0.0,
         cache_latents: bool = False,
+        cache_text: bool = False,
     ) -> None:
         super().__init__()
         if not 0.0 <= caption_dropout <= 1.0:
@@ -132,8 +145,9 @@ class DataModule(pl.LightningDataModule):
             )
         self.dataset_spec = dataset
         self.batch_size, self.num_workers, self.shuffle, self.seed = batch_size, num_workers, shuffle, seed
-        self.caption_dropout, self.cache_latents = caption_dropout, cache_latents
+        self.caption_dropout, self.cache_latents, self.cache_text = caption_dropout, cache_latents, cache_text
         self.dataset: Dataset | None = None
+        self.text_cache: _TextCache | None = None
 
     def build_dataset(self) -> Dataset:
         spec = self.dataset_spec
@@ -147,18 +161,52 @@ class DataModule(pl.LightningDataModule):
             raise ConfigError("data.params.dataset: the dataset is empty; check data.params (root, files, captions)")
         if self.cache_latents:
             dataset = self._encode_all(dataset)
+        if self.cache_text:
+            self.text_cache = self._encode_captions(dataset)
         self.dataset = dataset
+
+    def _one_pass(self, dataset: Dataset) -> DataLoader:
+        """A loader for encoding the data once. Its own generator: drawing its worker seeds from the global
+        one would shift every random number training draws, so a cached run would not match an uncached one."""
+        return DataLoader(dataset, batch_size=max(self.batch_size, 32), num_workers=self.num_workers,
+                          generator=torch.Generator())  # fmt: skip
 
     @torch.no_grad()
     def _encode_all(self, dataset: Dataset) -> Dataset:
         model = self.trainer.lightning_module
-        loader = DataLoader(dataset, batch_size=max(self.batch_size, 32), num_workers=self.num_workers)
         latents, captions = [], []
+        loader = self._one_pass(dataset)
         for batch in loader:
             latents.append(model.encode_images(batch["pixel_values"]).cpu())
             captions.extend(batch["caption"])
         log.info("cache_latents: encoded %d images once with the model's VAE", len(captions))
         return _LatentCache(torch.cat(latents), captions)
+
+    @torch.no_grad()
+    def _encode_captions(self, dataset: Dataset) -> _TextCache:
+        """Encode every distinct caption once with the model's frozen text encoder."""
+        model = self.trainer.lightning_module
+        model.configure_model()
+        if "text_encoder" in model.trainable:
+            raise ConfigError(
+                "data.params.cache_text: the text encoder trains (model.params.trainable includes text_encoder), "
+                "so its embeddings change every step; set cache_text: false or train the UNet only"
+            )
+        if isinstance(dataset, _LatentCache):
+            captions = dataset.captions
+        else:  # one pass over the data, images included: datasets need not expose their captions
+            captions = [caption for batch in self._one_pass(dataset) for caption in batch["caption"]]
+        distinct = list(dict.fromkeys(captions))
+        position = {caption: i for i, caption in enumerate(distinct)}
+        was_training = model.training
+        model.eval()
+        try:
+            chunks = [model.encode_text(distinct[i : i + 64]).cpu() for i in range(0, len(distinct), 64)]
+            empty = model.encode_text([""])[0].cpu()
+        finally:
+            model.train(was_training)
+        log.info("cache_text: encoded %d distinct captions once with the model's text encoder", len(distinct))
+        return _TextCache(torch.cat(chunks), torch.tensor([position[c] for c in captions]), empty)
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
@@ -172,7 +220,7 @@ class DataModule(pl.LightningDataModule):
             trainer.world_size if trainer else 1,
         )
         return ResumableDataLoader(
-            _Indexed(self.dataset),
+            _Indexed(self.dataset, self.text_cache),
             batch_size=self.batch_size,
             sampler=sampler,
             num_workers=self.num_workers,

@@ -80,6 +80,7 @@ def write_tiny_sd(
     seed: int = 0,
     unet: dict = TINY_UNET,
     vae: dict = TINY_VAE,
+    text_encoder: dict = TINY_TEXT_ENCODER,
 ) -> Path:
     """Write a tiny SD-shaped diffusers pipeline folder (16 px images, 4x8x8 latents) with random weights."""
     import torch
@@ -89,7 +90,7 @@ def write_tiny_sd(
     write_clip_tokenizer(out_dir / "tokenizer")
     pipe = StableDiffusionPipeline(
         vae=AutoencoderKL(**vae),
-        text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)),
+        text_encoder=CLIPTextModel(CLIPTextConfig(**text_encoder)),
         tokenizer=CLIPTokenizer.from_pretrained(out_dir / "tokenizer"),
         unet=UNet2DConditionModel(**unet),
         scheduler=PNDMScheduler(**SD_SCHEDULE, prediction_type=prediction_type),

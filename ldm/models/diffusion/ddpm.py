@@ -47,6 +47,7 @@ class LatentDiffusion(pl.LightningModule):
         attention: Literal["sdpa", "xformers", "math"] = "sdpa",
         gradient_checkpointing: bool = False,
         channels_last: bool = False,
+        compile: bool = False,
         frozen_dtype: Literal["float32", "float16", "bfloat16"] | None = None,
         lora: LoraSpec | None = None,
         nonfinite_loss: Literal["skip", "stop"] = "skip",
@@ -63,6 +64,7 @@ class LatentDiffusion(pl.LightningModule):
             "attention": attention,
             "gradient_checkpointing": gradient_checkpointing,
             "channels_last": channels_last,
+            "compile": compile,
             "frozen_dtype": frozen_dtype,
         }
         self.learning_rate, self.lr_schedule, self.lr_warmup_steps = learning_rate, lr_schedule, lr_warmup_steps
@@ -97,6 +99,7 @@ class LatentDiffusion(pl.LightningModule):
             options["gradient_checkpointing"],
             options["channels_last"],
             options["frozen_dtype"],
+            compile=options["compile"],
             adapters=self.lora is not None,
         )
         if self.lora is not None:
@@ -144,8 +147,11 @@ class LatentDiffusion(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         latents = batch["latents"] if "latents" in batch else self.encode_images(batch["pixel_values"])
         latents = latents.to(self.unet.dtype)
-        cond = self.encode_text(batch["caption"]).to(self.unet.dtype)
-        noise = torch.randn_like(latents)
+        cond = batch["text_embeddings"] if "text_embeddings" in batch else self.encode_text(batch["caption"])
+        cond = cond.to(self.unet.dtype)
+        # Drawn in logical order whatever the latents' memory layout (VAE outputs can be channels-last),
+        # so cached and freshly encoded latents get the same noise.
+        noise = torch.randn_like(latents, memory_format=torch.contiguous_format)
         if self.alphas_cumprod.device != latents.device:
             self.alphas_cumprod = self.alphas_cumprod.to(latents.device)
         t = torch.randint(0, len(self.alphas_cumprod), (latents.shape[0],), device=latents.device)

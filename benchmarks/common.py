@@ -1,0 +1,53 @@
+"""What every benchmark shares: repeats and medians, peak memory, and the printed report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1024**3
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark takes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="a few seconds on the tiniest settings: checks it runs")
+    p.add_argument("--json", type=Path, help="also write the JSON result to this file")
+    return p
+
+
+def peak_rss_bytes() -> int:
+    """The peak resident memory of this process so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> str:
+    """One line naming what the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{torch.get_num_threads()} CPU threads ({cpu}), {gpu}, torch {torch.__version__}, {date.today()}"
+
+
+def report(name: str, table: list[str], result: dict, headline: str, json_path: Path | None = None) -> None:
+    """Print the table, one JSON line (`{"benchmark": name, ...}`), and the headline as the last line."""
+    result = {"benchmark": name, "machine": machine(), **result}
+    line = json.dumps(result, sort_keys=False)
+    print("\n".join(table))
+    print(line)
+    if json_path is not None:
+        json_path.write_text(line + "\n")
+    print(headline)
+    sys.stdout.flush()
