@@ -72,9 +72,14 @@ def plain_train(
     caption_dropout: float = 0.0,
     max_grad_norm: float | None = 1.0,
     lr_warmup_steps: int = 0,
+    device: str = "cpu",
+    autocast: torch.dtype | None = None,
     on_step: Callable[[int, PlainRun], bool | None] | None = None,
 ) -> PlainRun:
     """Train `trainable` parts for `steps` optimizer steps on `dataset` (`{pixel_values, caption}` examples).
+
+    On a GPU the field's usual recipe is fp32 weights under `autocast` (bf16 / fp16), as `accelerate
+    --mixed_precision` does; the default is plain fp32.
 
     `on_step(step, run)` is called after each step (outside the timing it records); returning True
     stops the loop. Returns the per-step losses and cumulative wall times.
@@ -87,6 +92,7 @@ def plain_train(
     for name, module in modules.items():
         module.requires_grad_(name in trainable)
         module.train(name in trainable)
+        module.to(device)
     params = [p for name in trainable for p in modules[name].parameters()]
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=1e-2)
     schedule = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=lr_warmup_steps)
@@ -103,19 +109,21 @@ def plain_train(
     run, step, paused, start = PlainRun(), 0, 0.0, time.perf_counter()
     while step < steps:
         for batch in loader:
-            with torch.no_grad():
-                latents = vae.encode(batch["pixel_values"]).latent_dist.sample() * vae.config.scaling_factor
-            with torch.set_grad_enabled("text_encoder" in trainable):
-                cond = parts.text_encoder(batch["input_ids"], return_dict=False)[0]
-            noise = torch.randn_like(latents)
-            t = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],))
-            noisy = scheduler.add_noise(latents, noise, t)
-            if scheduler.config.prediction_type == "v_prediction":
-                target = scheduler.get_velocity(latents, noise, t)
-            else:
-                target = noise
-            prediction = parts.unet(noisy, t, cond, return_dict=False)[0]
-            loss = F.mse_loss(prediction.float(), target.float())
+            pixels, ids = batch["pixel_values"].to(device), batch["input_ids"].to(device)
+            with torch.autocast(torch.device(device).type, dtype=autocast or torch.float32, enabled=bool(autocast)):
+                with torch.no_grad():
+                    latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+                with torch.set_grad_enabled("text_encoder" in trainable):
+                    cond = parts.text_encoder(ids, return_dict=False)[0]
+                noise = torch.randn_like(latents)
+                t = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=device)
+                noisy = scheduler.add_noise(latents, noise, t)
+                if scheduler.config.prediction_type == "v_prediction":
+                    target = scheduler.get_velocity(latents, noise, t)
+                else:
+                    target = noise
+                prediction = parts.unet(noisy, t, cond, return_dict=False)[0]
+                loss = F.mse_loss(prediction.float(), target.float())
             loss.backward()
             if max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -123,7 +131,7 @@ def plain_train(
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            run.losses.append(float(loss))
+            run.losses.append(float(loss))  # a device sync, so the time below is the step's
             run.seconds.append(time.perf_counter() - start - paused)
             run.images += latents.shape[0]
             if on_step is not None:

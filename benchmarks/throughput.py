@@ -5,14 +5,15 @@
 Both sides fine-tune the UNet of the same randomly initialised SD-shaped pipeline on the same folder of
 PNG images with captions (written here), same batch, data loading in the timed loop. `tiny` is the test
 model (16 px images); `mid` is SD 1.5's block layout (four levels, two layers each, attention in three,
-8 heads, SD's VAE and a CLIP text encoder) at a fifth of SD's width (10.6 M UNet parameters), 256 px.
+8 heads, SD's VAE and a CLIP text encoder) at a fifth of SD's width: a 35 M-parameter UNet, 128 px.
 
 Then our path again with one speed feature switched on at a time (precomputed latents and text
-embeddings, channels-last, math attention instead of SDPA, torch.compile, bf16 autocast), and with
+embeddings, channels-last, math attention instead of SDPA, bf16 autocast), and with
 the features that helped together. Each figure is the median step time over the timed steps of a
 run, then the median over repeats; plain and ours alternate within each repeat so machine noise hits
 both. Setup (loading, encoding the data once, compiling) is reported apart and not in images/s.
-Prints a table, a JSON line, and last the headline ratio (our best against plain, largest model).
+Prints a table, a JSON line, and last the headline: the fastest of our variants against plain, on the
+largest model.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
 
 # SD 1.5's layouts at a fifth of its width (UNet 320 -> 64 channels), for a 2-core CPU.
 MID_UNET = dict(
-    sample_size=32,
+    sample_size=16,
     in_channels=4,
     out_channels=4,
     block_out_channels=(64, 128, 256, 256),
@@ -60,7 +61,7 @@ MID_VAE = dict(
     up_block_types=("UpDecoderBlock2D",) * 4,
     layers_per_block=2,
     norm_num_groups=32,
-    sample_size=256,
+    sample_size=128,
 )
 MID_TEXT_ENCODER = dict(
     vocab_size=49408,
@@ -83,7 +84,7 @@ class Model:
     images: int  # in the data folder
 
 
-MODELS = {"tiny": Model("tiny", 16, 8, 64), "mid": Model("mid", 256, 4, 48)}
+MODELS = {"tiny": Model("tiny", 16, 8, 64), "mid": Model("mid", 128, 4, 32)}
 
 # Our path with one feature at a time: (label, config overrides). The first is our path as shipped.
 FEATURES = [
@@ -91,7 +92,6 @@ FEATURES = [
     ("+ precomputed latents & text", ["data.params.cache_latents=true", "data.params.cache_text=true"]),
     ("+ channels-last", ["model.params.channels_last=true"]),
     ("math attention (not SDPA)", ["model.params.attention=math"]),
-    ("+ torch.compile", ["model.params.compile=true"]),
     ("+ bf16 autocast", ["lightning.trainer.precision=bf16-mixed"]),
 ]
 
@@ -218,13 +218,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile row (it compiles for minutes)")
     args = p.parse_args()
     features = FEATURES
     if args.smoke:
         args.models, args.steps, args.warmup, args.repeats = "tiny", 2, 1, 1
-    if args.smoke or args.no_compile:
-        features = [f for f in FEATURES if "compile" not in f[0]]
     warnings.filterwarnings("ignore")  # Lightning's hints about tiny runs (logging interval, workers)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "ldm"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -246,13 +243,14 @@ def main() -> None:
                 results[best] = results[features[0][0]]
             base = results["plain"]["images_per_s"]
             table.append(f"{name}: batch {model.batch_size} at {model.image_size} px, UNet fine-tune, fp32 weights")
-            table.append(f"  {'variant':<42}{'images/s':>10}{'vs plain':>10}{'setup s':>9}")
+            table.append(f"  {'variant':<54}{'images/s':>10}{'vs plain':>10}{'setup s':>9}")
             for label, r in results.items():
-                table.append(f"  {label:<42}{r['images_per_s']:>10.2f}{r['images_per_s'] / base:>9.2f}x"
+                table.append(f"  {label:<54}{r['images_per_s']:>10.2f}{r['images_per_s'] / base:>9.2f}x"
                              f"{r['setup_s']:>9.1f}")  # fmt: skip
             result["models"][name] = {k: {**v, "vs_plain": v["images_per_s"] / base} for k, v in results.items()}
-            headline = (f"throughput: {name} model, {best}: {results[best]['images_per_s']:.2f} images/s vs plain "
-                        f"{base:.2f} = {results[best]['images_per_s'] / base:.2f}x")  # fmt: skip
+            top = max((k for k in results if k != "plain"), key=lambda k: results[k]["images_per_s"])
+            headline = (f"throughput: {name} model, fastest of ours ({top}): {results[top]['images_per_s']:.2f} "
+                        f"images/s vs plain {base:.2f} = {results[top]['images_per_s'] / base:.2f}x")  # fmt: skip
     report("throughput", table, result, headline, args.json)
 
 

@@ -176,6 +176,13 @@ def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
     )
     if lightning.get("logger") is not None:
         fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
+    optimizer = (cfg.model.get("params") or {}).get("optimizer")
+    if isinstance(optimizer, Mapping):
+        check_whole = getattr(
+            import_target(optimizer["target"], "model.params.optimizer.target", sources), "check_run_config", None
+        )
+        if check_whole is not None:  # training settings an optimizer cannot honour, e.g. clipping with a fused step
+            check_whole(cfg, sources)
 
 
 def _check_datamodule(target: str, sources: Sources) -> None:

@@ -1,10 +1,18 @@
-"""Benchmarks are not tests; their smoke modes run here so they do not rot (a few seconds each)."""
+"""Benchmarks are not tests; their smoke modes run here so they do not rot (seconds each).
 
+Once per CI run: in the default stack, not again in the Colossal-AI one (the same code, and time)."""
+
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("colossalai") is not None, reason="benchmark smoke runs in the default stack only"
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -28,10 +36,11 @@ def test_throughput_smoke(tmp_path):
     assert {"plain", "ours (as shipped)", "+ precomputed latents & text", "math attention (not SDPA)"} <= set(tiny)
     assert all(v["images_per_s"] > 0 for v in tiny.values())
     assert tiny["plain"]["vs_plain"] == 1.0
-    best = next(k for k in tiny if k.startswith("ours, best"))
+    assert any(k.startswith("ours, best") for k in tiny), "the helpful features together"
+    top = max((k for k in tiny if k != "plain"), key=lambda k: tiny[k]["images_per_s"])
     assert headline == (
-        f"throughput: tiny model, {best}: {tiny[best]['images_per_s']:.2f} images/s vs plain "
-        f"{tiny['plain']['images_per_s']:.2f} = {tiny[best]['vs_plain']:.2f}x"
+        f"throughput: tiny model, fastest of ours ({top}): {tiny[top]['images_per_s']:.2f} images/s vs plain "
+        f"{tiny['plain']['images_per_s']:.2f} = {tiny[top]['vs_plain']:.2f}x"
     )
 
 
@@ -41,3 +50,20 @@ def test_time_to_quality_smoke(tmp_path):
         ((seconds, step, accuracy),) = result[side]["points"]  # judged once, after the first step
         assert seconds > 0 and step == 1 and 0.0 <= accuracy <= 1.0
     assert headline.startswith("time to quality: digits to 80%: ")
+
+
+def test_memory_smoke(tmp_path):
+    result, headline = smoke("memory.py", tmp_path)
+    assert set(result["sides"]) == {"plain", "ours"}
+    assert 0 < result["sides"]["ours"]["step_peak_gib"] and 0 < result["sides"]["plain"]["step_peak_gib"]
+    assert result["tiny"]["within_tolerance"], result["tiny"]
+    assert headline.startswith("memory: tiny model step on CPU, ours ")
+
+
+def test_gpu_throughput_smoke_on_a_cpu(tmp_path):
+    result, headline = smoke("gpu_throughput.py", tmp_path)
+    assert result["flops_per_image"] > 0
+    for variant in ("plain", "ours"):
+        (run,) = result["runs"][variant]
+        assert run["batch"] == 2 and run["images_per_s"] > 0 and 0 < run["mfu"] < 1, run
+    assert headline.startswith("gpu throughput: SD 1.5 at 16 px, ours ")

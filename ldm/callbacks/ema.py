@@ -42,8 +42,11 @@ class EMA(pl.Callback):
         self._last_step = step
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
         params = self._trainable(pl_module)
-        names = list(self.shadow)
-        torch._foreach_lerp_([self.shadow[n] for n in names], [params[n].detach().float() for n in names], 1 - decay)
+        same = [n for n in self.shadow if self.shadow[n].dtype == params[n].dtype]
+        if same:
+            torch._foreach_lerp_([self.shadow[n] for n in same], [params[n].detach() for n in same], 1 - decay)
+        for n in self.shadow.keys() - set(same):  # bf16 weights: one fp32 copy at a time, not all at once
+            self.shadow[n].lerp_(params[n].detach().float(), 1 - decay)
         self.updates += 1
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:

@@ -206,13 +206,10 @@ def prepare_for_training(
     channels_last: bool,
     frozen_dtype: str | None,
     adapters: bool = False,
-    compile: bool = False,
 ) -> None:
-    """Freeze what does not train, and apply the memory and speed options to the networks.
+    """Freeze what does not train, and apply the memory options to the networks.
 
-    With `adapters` (LoRA), every network's own weights are frozen; adapters added later train.
-    `compile` compiles the UNet's forward with `torch.compile` in place (its weight names do not
-    change); the first steps are slow while it compiles."""
+    With `adapters` (LoRA), every network's own weights are frozen; adapters added later train."""
     for name in ("unet", "vae", "text_encoder"):
         module = getattr(parts, name)
         trains_own_weights = name in trainable and not adapters
@@ -226,5 +223,3 @@ def prepare_for_training(
     if channels_last:
         parts.unet.to(memory_format=torch.channels_last)
         parts.vae.to(memory_format=torch.channels_last)
-    if compile:
-        parts.unet.compile()

@@ -16,7 +16,7 @@ import torch
 from ldm import diffusion
 from ldm.config import ConfigError, ExistingPath, import_target, supplied
 from ldm.lora import LoraSpec, add_lora, is_lora_key
-from ldm.models.parts import Parts, PartSpec, build_parts, prepare_for_training, set_attention
+from ldm.models.parts import DTYPES, Parts, PartSpec, build_parts, prepare_for_training, set_attention
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ class LatentDiffusion(pl.LightningModule):
         attention: Literal["sdpa", "xformers", "math"] = "sdpa",
         gradient_checkpointing: bool = False,
         channels_last: bool = False,
-        compile: bool = False,
         frozen_dtype: Literal["float32", "float16", "bfloat16"] | None = None,
+        trainable_dtype: Literal["float32", "bfloat16"] | None = None,
         lora: LoraSpec | None = None,
         nonfinite_loss: Literal["skip", "stop"] = "skip",
     ) -> None:
@@ -64,13 +64,15 @@ class LatentDiffusion(pl.LightningModule):
             "attention": attention,
             "gradient_checkpointing": gradient_checkpointing,
             "channels_last": channels_last,
-            "compile": compile,
             "frozen_dtype": frozen_dtype,
+            "trainable_dtype": trainable_dtype,
         }
         self.learning_rate, self.lr_schedule, self.lr_warmup_steps = learning_rate, lr_schedule, lr_warmup_steps
         self.optimizer_spec = optimizer or {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
         self.snr_gamma = snr_gamma
         self.lora = dict(lora) if lora is not None else None
+        if trainable_dtype == "bfloat16":
+            _check_bf16_training(self.optimizer_spec["target"], self.lora)
         self.strict_loading = self.lora is None  # a LoRA checkpoint holds the adapters only
         self.run_config: dict | None = None  # the resolved config, set by ldm.run and saved in checkpoints
         self.nonfinite_loss, self.skipped_steps, self._skips_in_a_row = nonfinite_loss, 0, 0
@@ -92,6 +94,9 @@ class LatentDiffusion(pl.LightningModule):
             parts.scheduler, self.requested_prediction_type, self.pretrained, self._specs["scheduler"]
         )
         options = self.memory_options
+        if options["trainable_dtype"] is not None:
+            for name in self.trainable:
+                getattr(parts, name).to(DTYPES[options["trainable_dtype"]])
         set_attention(parts, options["attention"])
         prepare_for_training(
             parts,
@@ -99,7 +104,6 @@ class LatentDiffusion(pl.LightningModule):
             options["gradient_checkpointing"],
             options["channels_last"],
             options["frozen_dtype"],
-            compile=options["compile"],
             adapters=self.lora is not None,
         )
         if self.lora is not None:
@@ -221,6 +225,20 @@ class LatentDiffusion(pl.LightningModule):
         if self.lora is not None:
             checkpoint["ldm"]["lora"] = {"spec": self.lora, "trainable": list(self.trainable)}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_lora_key(k)}
+
+
+def _check_bf16_training(optimizer_target: str, lora: dict | None) -> None:
+    """bf16 weights lose every update smaller than their precision (1/256 of their size) unless the
+    optimizer compensates: refuse optimizers that do not say they do, and LoRA (its adapters are small)."""
+    key = "model.params.trainable_dtype"
+    if lora is not None:
+        raise ConfigError(f"{key}: bfloat16 applies to full fine-tuning; LoRA adapters are small, remove it")
+    optimizer_cls = import_target(optimizer_target, "model.params.optimizer.target")
+    if not getattr(optimizer_cls, "low_precision_weights", False):
+        raise ConfigError(
+            f"{key}: bfloat16 weights under {optimizer_target} would lose every update smaller than about 1/256 of a "
+            "weight; set model.params.optimizer.target: ldm.optim.LowMemoryAdamW, or trainable_dtype: float32"
+        )
 
 
 def _resolve_prediction_type(scheduler: Any, requested: str | None, pretrained: str | None, spec: Any) -> str:
