@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import resource
 import statistics
 import sys
+import warnings
 from datetime import date
 from pathlib import Path
 
@@ -23,6 +25,13 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="a few seconds on the tiniest settings: checks it runs")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     return p
+
+
+def quiet() -> None:
+    """Keep the output to the benchmark's own lines: no Lightning hints about tiny runs, no INFO logs."""
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "ldm"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def peak_rss_bytes() -> int:

@@ -21,21 +21,19 @@ on fake tensors; MFU = FLOPs per image x images/s / peak. The H200's dense bf16 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, parser, report  # noqa: E402
+from benchmarks.common import REPO, parser, quiet, report  # noqa: E402
 
 SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
 VARIANTS = {
@@ -138,9 +136,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, help=argparse_hidden())
     p.add_argument("--work", type=Path, help=argparse_hidden())
     args = p.parse_args()
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "ldm"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet()
     device = "cpu" if args.smoke else "cuda"
     if args.child:
         result = child(args.child, args.batch, args.steps, 3, args.work, args.size, device)

@@ -27,21 +27,19 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import GIB, REPO, parser, peak_rss_bytes, report  # noqa: E402
+from benchmarks.common import GIB, REPO, parser, peak_rss_bytes, quiet, report  # noqa: E402
 
 SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
 LOW_MEMORY = REPO / "configs" / "finetune" / "sd15-cpu-lowmem.yaml"
@@ -213,10 +211,8 @@ def main() -> None:
     args = p.parse_args()
     from diffusers.utils import logging as diffusers_logging
 
-    warnings.filterwarnings("ignore")  # Lightning's hints about tiny runs
+    quiet()
     diffusers_logging.set_verbosity_error()  # its hints about casting to bf16
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "ldm"):
-        logging.getLogger(name).setLevel(logging.WARNING)
     if args.side == "write":
         write_inputs(args.workdir, args.size, args.smoke)
         return

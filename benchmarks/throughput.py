@@ -19,12 +19,10 @@ largest model.
 from __future__ import annotations
 
 import json
-import logging
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.baseline import load_plain_parts, plain_train  # noqa: E402
-from benchmarks.common import REPO, median, parser, report  # noqa: E402
+from benchmarks.common import REPO, median, parser, quiet, report  # noqa: E402
 
 SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
 
@@ -222,9 +220,7 @@ def main() -> None:
     features = FEATURES
     if args.smoke:
         args.models, args.steps, args.warmup, args.repeats = "tiny", 2, 1, 1
-    warnings.filterwarnings("ignore")  # Lightning's hints about tiny runs (logging interval, workers)
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "ldm"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet()
 
     table, result, headline = [], {"steps": args.steps, "repeats": args.repeats, "models": {}}, ""
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,11 +15,9 @@ of our time to the plain loop's (the target is at most 0.5).
 
 from __future__ import annotations
 
-import logging
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.baseline import PlainParts, plain_train  # noqa: E402
-from benchmarks.common import REPO, parser, report  # noqa: E402
+from benchmarks.common import REPO, parser, quiet, report  # noqa: E402
 
 LDM_CONFIG = REPO / "configs" / "quickstart" / "digits-ldm.yaml"
 CLOCK: AccuracyClock | None = None  # the clock the callback below reports to (set by `run_ours`)
@@ -151,9 +149,7 @@ def main() -> None:
     from ldm.digit_eval import train_digit_classifier
     from ldm.quickstart import train_autoencoder
 
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "ldm"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet()
     batch_size = OmegaConf.load(LDM_CONFIG).data.params.batch_size
     autoencoder_steps, max_steps, samples, steps = (5, 3, 1, 2) if args.smoke else (None, 100_000, 10, 25)
     if args.smoke:
