@@ -17,6 +17,15 @@ def _gather(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, like: torch.T
     return a.reshape(-1, *([1] * (like.ndim - 1)))
 
 
+def sample_posterior(mean: torch.Tensor, std: torch.Tensor | None) -> torch.Tensor:
+    """A latent drawn from the VAE's diagonal Gaussian posterior, mean + std * N(0, 1), as diffusers'
+    `latent_dist.sample()` and CompVis' `encode_first_stage` draw it; the mean itself when `std` is None.
+    The normal draw is in logical order, so a channels-last `mean` gets the same draw as a contiguous one."""
+    if std is None:
+        return mean
+    return mean + std * torch.randn_like(mean, memory_format=torch.contiguous_format)
+
+
 def add_noise(
     x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor
 ) -> torch.Tensor:

@@ -78,6 +78,22 @@ def test_datamodule_caption_dropout_and_loader():
         DataModule(dm.dataset_spec, caption_dropout=1.5)
 
 
+def test_drop_last_serves_only_full_batches_and_refuses_a_dataset_smaller_than_one():
+    from ldm.config import ConfigError
+
+    spec = {"target": "ldm.data.digits.DigitsDataset", "params": {"split": "test"}}  # 180 digits
+    sizes = {}
+    for drop_last in (False, True):
+        dm = DataModule(spec, batch_size=64, drop_last=drop_last)
+        dm.setup("fit")
+        sizes[drop_last] = [len(batch["caption"]) for batch in dm.train_dataloader()]
+    assert sizes == {False: [64, 64, 52], True: [64, 64]}
+    dm = DataModule(spec, batch_size=256, drop_last=True)
+    dm.setup("fit")
+    with pytest.raises(ConfigError, match="data.params.drop_last: each process gets 180 examples, fewer than one"):
+        dm.train_dataloader()
+
+
 def test_digits():
     ds = DigitsDataset()
     assert len(ds) == 1797 and len(DigitsDataset(split="test")) == 180
@@ -120,6 +136,9 @@ def test_cached_latents_and_text_train_exactly_as_encoding_every_step(tiny_sd, i
     cached, cached_calls = losses("cached", "data.params.cache_latents=true", "data.params.cache_text=true")
     assert calls == 4 and cached_calls == 0, "the text encoder runs each step, or never once cached"
     torch.testing.assert_close(torch.tensor(cached), torch.tensor(every_step), rtol=1e-5, atol=1e-6)
+    # Both drew each step's latent from the VAE posterior; training on its mean instead is another run.
+    means, _ = losses("means", "data.params.cache_latents=true", "model.params.sample_latents=false")
+    assert not torch.allclose(torch.tensor(means), torch.tensor(every_step), rtol=1e-3, atol=0)
 
 
 def test_cache_text_refuses_a_training_text_encoder(tiny_sd, image_folder, tmp_path, capsys):

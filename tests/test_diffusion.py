@@ -65,3 +65,21 @@ def test_diffusion_loss_weights():
     pred, target = torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])
     assert diffusion.diffusion_loss(pred, target).item() == pytest.approx(2.5)
     assert diffusion.diffusion_loss(pred, target, torch.tensor([1.0, 0.0])).item() == pytest.approx(0.5)
+
+
+def test_sample_posterior_draws_as_diffusers_does():
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    g = torch.Generator().manual_seed(1)
+    moments = torch.randn(3, 8, 4, 4, generator=g)  # mean and log-variance, as the VAE's encoder outputs them
+    posterior = DiagonalGaussianDistribution(moments)
+    torch.manual_seed(7)
+    expected = posterior.sample()
+    torch.manual_seed(7)
+    drawn = diffusion.sample_posterior(posterior.mean, posterior.std)
+    torch.testing.assert_close(drawn, expected, rtol=0, atol=0)
+    assert not torch.equal(drawn, posterior.mean)
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    assert diffusion.sample_posterior(posterior.mean, None) is posterior.mean
+    assert torch.equal(torch.get_rng_state(), state), "the mean alone draws nothing"

@@ -88,16 +88,20 @@ class _TextCache:
 
 
 class _LatentCache(Dataset):
-    """Examples whose images were encoded once to latents."""
+    """Examples whose images were encoded once: the VAE posterior's mean and, when the model draws
+    from the posterior each step, its standard deviation."""
 
-    def __init__(self, latents: torch.Tensor, captions: list[str]) -> None:
-        self.latents, self.captions = latents, captions
+    def __init__(self, latents: torch.Tensor, stds: torch.Tensor | None, captions: list[str]) -> None:
+        self.latents, self.stds, self.captions = latents, stds, captions
 
     def __len__(self) -> int:
         return len(self.captions)
 
     def __getitem__(self, index: int) -> dict:
-        return {"latents": self.latents[index], "caption": self.captions[index]}
+        example = {"latents": self.latents[index], "caption": self.captions[index]}
+        if self.stds is not None:
+            example["latent_std"] = self.stds[index]
+        return example
 
 
 class ResumableDataLoader(DataLoader):
@@ -133,6 +137,7 @@ class DataModule(pl.LightningDataModule):
         caption_dropout: float = 0.0,
         cache_latents: bool = False,
         cache_text: bool = False,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
         if not 0.0 <= caption_dropout <= 1.0:
@@ -146,6 +151,7 @@ class DataModule(pl.LightningDataModule):
         self.dataset_spec = dataset
         self.batch_size, self.num_workers, self.shuffle, self.seed = batch_size, num_workers, shuffle, seed
         self.caption_dropout, self.cache_latents, self.cache_text = caption_dropout, cache_latents, cache_text
+        self.drop_last = drop_last
         self.dataset: Dataset | None = None
         self.text_cache: _TextCache | None = None
 
@@ -174,13 +180,15 @@ class DataModule(pl.LightningDataModule):
     @torch.no_grad()
     def _encode_all(self, dataset: Dataset) -> Dataset:
         model = self.trainer.lightning_module
-        latents, captions = [], []
-        loader = self._one_pass(dataset)
-        for batch in loader:
-            latents.append(model.encode_images(batch["pixel_values"]).cpu())
+        means, stds, captions = [], [], []
+        for batch in self._one_pass(dataset):
+            mean, std = model.encode_posterior(batch["pixel_values"])
+            means.append(mean.cpu())
+            stds.append(std.cpu() if std is not None else None)
             captions.extend(batch["caption"])
-        log.info("cache_latents: encoded %d images once with the model's VAE", len(captions))
-        return _LatentCache(torch.cat(latents), captions)
+        kept = "posterior mean and deviation; a latent is drawn from them each step" if stds[0] is not None else "mean"
+        log.info("cache_latents: encoded %d images once with the model's VAE (%s)", len(captions), kept)
+        return _LatentCache(torch.cat(means), torch.cat(stds) if stds[0] is not None else None, captions)
 
     @torch.no_grad()
     def _encode_captions(self, dataset: Dataset) -> _TextCache:
@@ -219,10 +227,17 @@ class DataModule(pl.LightningDataModule):
             trainer.global_rank if trainer else 0,
             trainer.world_size if trainer else 1,
         )
+        if self.drop_last and len(sampler) < self.batch_size:
+            raise ConfigError(
+                f"data.params.drop_last: each process gets {len(sampler)} examples, fewer than one batch of "
+                f"{self.batch_size}, so every batch would be dropped; lower data.params.batch_size or set "
+                "drop_last: false"
+            )
         return ResumableDataLoader(
             _Indexed(self.dataset, self.text_cache),
             batch_size=self.batch_size,
             sampler=sampler,
+            drop_last=self.drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             position=self._position,

@@ -172,6 +172,7 @@ class FolderDataModule(DataModule):
         caption_dropout: float = 0.0,
         cache_latents: bool = False,
         cache_text: bool = False,
+        drop_last: bool = False,
     ) -> None:
         dataset: TargetSpec = {
             "target": "ldm.data.folder.FolderDataset",
@@ -185,7 +186,8 @@ class FolderDataModule(DataModule):
                 "on_bad_sample": on_bad_sample,
             },
         }
-        super().__init__(dataset, batch_size, num_workers, shuffle, seed, caption_dropout, cache_latents, cache_text)
+        super().__init__(dataset, batch_size, num_workers, shuffle, seed, caption_dropout, cache_latents, cache_text,
+                         drop_last)  # fmt: skip
 
     def teardown(self, stage: str) -> None:
         """Sum up the skipped files of every process (workers and ranks log each their own) in one line."""

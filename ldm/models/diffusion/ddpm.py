@@ -44,6 +44,7 @@ class LatentDiffusion(pl.LightningModule):
         lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
         lr_warmup_steps: int = 0,
         snr_gamma: float | None = None,
+        sample_latents: bool = True,
         attention: Literal["sdpa", "xformers", "math"] = "sdpa",
         gradient_checkpointing: bool = False,
         channels_last: bool = False,
@@ -69,7 +70,7 @@ class LatentDiffusion(pl.LightningModule):
         }
         self.learning_rate, self.lr_schedule, self.lr_warmup_steps = learning_rate, lr_schedule, lr_warmup_steps
         self.optimizer_spec = optimizer or {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
-        self.snr_gamma = snr_gamma
+        self.snr_gamma, self.sample_latents = snr_gamma, sample_latents
         self.lora = dict(lora) if lora is not None else None
         if trainable_dtype == "bfloat16":
             _check_bf16_training(self.optimizer_spec["target"], self.lora)
@@ -130,11 +131,14 @@ class LatentDiffusion(pl.LightningModule):
         return self
 
     @torch.no_grad()
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Images in [-1, 1] to scaled latents (the posterior mean times the VAE's scaling factor)."""
+    def encode_posterior(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Images in [-1, 1] to the VAE posterior's mean and standard deviation, both times the VAE's
+        scaling factor. Training draws a latent from them every step; the deviation is None when
+        `sample_latents` is off, and training then uses the mean."""
         self.configure_model()  # a latent cache encodes in the data's setup, before Lightning builds the model
-        latents = self.vae.encode(pixel_values.to(self.device, self.vae.dtype)).latent_dist.mean
-        return latents * self.latent_scale
+        posterior = self.vae.encode(pixel_values.to(self.device, self.vae.dtype)).latent_dist
+        std = posterior.std * self.latent_scale if self.sample_latents else None
+        return posterior.mean * self.latent_scale, std
 
     def encode_text(self, captions: Sequence[str]) -> torch.Tensor:
         """Captions to the text encoder's last hidden states, padded to the tokenizer's length."""
@@ -149,8 +153,11 @@ class LatentDiffusion(pl.LightningModule):
             return self.text_encoder(ids)[0]
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        latents = batch["latents"] if "latents" in batch else self.encode_images(batch["pixel_values"])
-        latents = latents.to(self.unet.dtype)
+        if "latents" in batch:  # encoded once (cache_latents): the posterior's mean, and its deviation if kept
+            mean, std = batch["latents"], batch.get("latent_std") if self.sample_latents else None
+        else:
+            mean, std = self.encode_posterior(batch["pixel_values"])
+        latents = diffusion.sample_posterior(mean, std).to(self.unet.dtype)
         cond = batch["text_embeddings"] if "text_embeddings" in batch else self.encode_text(batch["caption"])
         cond = cond.to(self.unet.dtype)
         # Drawn in logical order whatever the latents' memory layout (VAE outputs can be channels-last),
