@@ -91,9 +91,7 @@ class JudgeEvery(pl.Callback):
             trainer.should_stop = True
 
 
-def run_ours(
-    clock_args: dict, vae_dir: Path, work: Path, max_steps: int, batch_size: int, overrides: list[str] = ()
-) -> AccuracyClock:
+def run_ours(clock_args: dict, vae_dir: Path, work: Path, max_steps: int, overrides: list[str] = ()) -> AccuracyClock:
     """The quickstart recipe, as `main.py -t -b configs/quickstart/digits-ldm.yaml` runs it."""
     from benchmarks import time_to_quality as this  # the module the config's callback target imports
     from ldm.run import train
@@ -104,7 +102,6 @@ def run_ours(
         [
             f"model.params.vae.pretrained={vae_dir}",
             f"lightning.trainer.max_steps={max_steps}",
-            f"data.params.batch_size={batch_size}",
             "lightning.trainer.enable_progress_bar=false",
             "lightning.trainer.enable_model_summary=false",
             "lightning.callbacks.image_logger=null",
@@ -119,9 +116,7 @@ def run_ours(
     return this.CLOCK
 
 
-def run_plain(
-    clock_args: dict, vae_dir: Path, max_steps: int, batch_size: int, overrides: list[str] = ()
-) -> AccuracyClock:
+def run_plain(clock_args: dict, vae_dir: Path, max_steps: int, overrides: list[str] = ()) -> AccuracyClock:
     """The same model and hyperparameters in the plain loop."""
     from ldm.data.digits import DigitsDataset
     from ldm.models.parts import build_parts
@@ -137,7 +132,7 @@ def run_plain(
     plain_train(
         plain_parts,
         DigitsDataset(**data["dataset"]["params"]),
-        batch_size=batch_size,
+        batch_size=data["batch_size"],
         steps=max_steps,
         learning_rate=model["learning_rate"],
         trainable=model["trainable"],
@@ -163,18 +158,17 @@ def main() -> None:
     from ldm.quickstart import train_autoencoder
 
     quiet()
-    batch_size = OmegaConf.merge(OmegaConf.load(LDM_CONFIG), OmegaConf.from_dotlist(args.set)).data.params.batch_size
     autoencoder_steps, max_steps, samples, steps = (5, 3, 1, 2) if args.smoke else (None, 100_000, 10, 25)
     if args.smoke:
-        args.eval_every, args.budget, batch_size = 0.0, 0.0, 8
+        args.eval_every, args.budget, args.set = 0.0, 0.0, [*args.set, "data.params.batch_size=8"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         train_autoencoder(work, autoencoder_steps)
         classifier = train_digit_classifier(epochs=1 if args.smoke else 10)
         clock_args = dict(target=args.target, budget_s=args.budget, every_s=args.eval_every,
                           samples_per_digit=samples, inference_steps=steps, classifier=classifier)  # fmt: skip
-        sides = {"ours": run_ours(clock_args, work / "vae", work, max_steps, batch_size, args.set + args.ours)}
-        sides["plain"] = run_plain(clock_args, work / "vae", max_steps, batch_size, args.set)
+        sides = {"ours": run_ours(clock_args, work / "vae", work, max_steps, args.set + args.ours)}
+        sides["plain"] = run_plain(clock_args, work / "vae", max_steps, args.set)
 
     table = [f"digits task: seconds of training to {args.target:.0%} prompt accuracy (judging not timed)"]
     for name, clock in sides.items():

@@ -182,13 +182,14 @@ class DataModule(pl.LightningDataModule):
         model = self.trainer.lightning_module
         means, stds, captions = [], [], []
         for batch in self._one_pass(dataset):
-            mean, std = model.encode_posterior(batch["pixel_values"])
+            mean, std = model.encode_posterior(batch["pixel_values"])  # std is None unless model.sample_latents
             means.append(mean.cpu())
-            stds.append(std.cpu() if std is not None else None)
+            if std is not None:
+                stds.append(std.cpu())
             captions.extend(batch["caption"])
-        kept = "posterior mean and deviation; a latent is drawn from them each step" if stds[0] is not None else "mean"
+        kept = "posterior mean and deviation; a latent is drawn from them each step" if stds else "mean"
         log.info("cache_latents: encoded %d images once with the model's VAE (%s)", len(captions), kept)
-        return _LatentCache(torch.cat(means), torch.cat(stds) if stds[0] is not None else None, captions)
+        return _LatentCache(torch.cat(means), torch.cat(stds) if stds else None, captions)
 
     @torch.no_grad()
     def _encode_captions(self, dataset: Dataset) -> _TextCache:
