@@ -25,7 +25,7 @@ $(VENV)/.installed: setup.py
 setup: $(VENV)/.installed
 
 quickstart: setup
-	$(PY) scripts/quickstart.py --out outputs/quickstart
+	$(PY) -m examples.digits --out outputs/quickstart
 
 test: setup lint
 	$(PY) -m pytest

@@ -1,51 +1,11 @@
-"""Train a latent diffusion model: `python main.py -t -b config.yaml [key.path=value ...]`."""
+"""Train a latent diffusion model: `python main.py -t -b config.yaml [key.path=value ...]`.
 
-from __future__ import annotations
+The same as the `ldm-train` command (`ldm.cli.train`); flags as in CompVis `main.py`.
+"""
 
-import argparse
-import logging
 import sys
 
-from ldm.config import ConfigError
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("-t", "--train", action="store_true", help="train (the only mode)")
-    parser.add_argument(
-        "-b", "--base", action="append", default=[], metavar="CONFIG", help="YAML config; later files win"
-    )
-    parser.add_argument("-l", "--logdir", default="logs", help="folder for run folders (default: logs)")
-    parser.add_argument("-n", "--name", default=None, help="run name (default: first config's file name)")
-    parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default: 23)")
-    parser.add_argument("-r", "--resume", default=None, metavar="PATH|auto", help="continue a run or checkpoint")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides; win over files")
-    return parser.parse_intermixed_args(argv)  # overrides may come before or after flags
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if not args.train:
-        print("main.py: nothing to do; pass -t to train", file=sys.stderr)
-        return 2
-    from ldm.checkpoint import CheckpointError
-    from ldm.run import RunStopped, train
-
-    try:
-        run_dir = train(args.base, args.overrides, args.logdir, args.name, args.seed, args.resume)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    except CheckpointError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        return 1
-    except RunStopped as stop:
-        print(stop, file=sys.stderr)
-        return stop.exit_code
-    print(f"checkpoint: {(run_dir / 'checkpoints' / 'last.ckpt').resolve()}")
-    return 0
-
+from ldm.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,6 +22,17 @@ setup(
         "scikit-learn>=1.3",
         "tensorboard>=2.14",
     ],
+    entry_points={
+        "console_scripts": [
+            "ldm-train=ldm.cli.train:main",
+            "ldm-convert=ldm.cli.convert:main",
+            "ldm-export=ldm.cli.export_diffusers:main",
+            "ldm-export-single-file=ldm.cli.export_single_file:main",
+            "ldm-export-lora=ldm.cli.export_lora:main",
+            "ldm-sample=ldm.cli.txt2img:main",
+            "ldm-plan-memory=ldm.cli.plan_memory:main",
+        ]
+    },
     extras_require={
         "colossalai": ["colossalai>=0.5.0,<0.6"],  # pins torch<=2.5.1 (see README, "Colossal-AI")
         "xformers": ["xformers>=0.0.27"],

@@ -6,7 +6,7 @@ Needs a CUDA GPU and the Colossal-AI environment (`pip install -e .[colossalai]`
 `pip install --no-deps open_clip_torch` for the CLIP vocabulary). Weights are random (the real
 SD 1.5 component configs in configs/models/sd15, so sizes and speed are real); the data is
 random 512 px images. The process is capped with `torch.cuda.set_per_process_memory_fraction`.
-Each run is `ldm.run.train` on the preset, so it is the path users run; the baseline swaps in
+Each run is `ldm.training.run.train` on the preset, so it is the path users run; the baseline swaps in
 Lightning's default strategy, 16-mixed autocast and torch AdamW (expected to run out of memory).
 Prints one line per run and a JSON line; the last line is the headline.
 """
@@ -49,7 +49,7 @@ def random_sd15(out: Path) -> Path:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from ldm.tokenizers import write_clip_tokenizer
+    from ldm.components.tokenizers import write_clip_tokenizer
 
     src = REPO / "configs" / "models" / "sd15"
     UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(src / "unet")).save_pretrained(out / "unet")
@@ -73,7 +73,7 @@ def random_images(out: Path, n: int = 32, size: int = 512) -> Path:
 
 
 def run(name: str, preset: str, overrides: list[str], steps: int, logdir: Path) -> dict:
-    from ldm import run as ldm_run
+    from ldm.training import run as ldm_run
 
     timer = StepTimer()
     original = ldm_run.build_trainer

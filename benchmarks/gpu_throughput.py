@@ -12,7 +12,7 @@ memory:
   every step;
 - ours: `main.py`'s path (`configs/finetune/sd-folder.yaml`) with bf16-mixed, SDPA, latents and text
   embeddings precomputed once;
-- ours + ZeRO-2: the same under `ldm.strategies.ColossalAIStrategy` (when Colossal-AI is installed).
+- ours + ZeRO-2: the same under `ldm.training.strategies.ColossalAIStrategy` (when Colossal-AI is installed).
 The UNet's training FLOPs per image (forward and backward) are counted once with torch's FLOP counter
 on fake tensors; MFU = FLOPs per image x images/s / peak. The H200's dense bf16 peak is 989 TFLOP/s
 (SXM; 835 for the NVL card). The last line is the headline: our best against plain, each at its best batch.
@@ -42,10 +42,10 @@ VARIANTS = {
     "ours + ZeRO-2": [
         "data.params.cache_latents=true",
         "data.params.cache_text=true",
-        "lightning.trainer.strategy.target=ldm.strategies.ColossalAIStrategy",
+        "lightning.trainer.strategy.target=ldm.training.strategies.ColossalAIStrategy",
         "lightning.trainer.strategy.params.plugin=zero",
         "lightning.trainer.strategy.params.stage=2",
-        "model.params.optimizer.target=ldm.strategies.HybridAdam",
+        "model.params.optimizer.target=ldm.training.strategies.HybridAdam",
     ],
 }
 
@@ -78,7 +78,7 @@ def child(variant: str, batch: int, steps: int, warmup: int, work: Path, size: i
         times = [b - a for a, b in zip([0.0, *run.seconds], run.seconds)]
     else:
         from benchmarks.throughput import StepClock  # noqa: F401 - the config's callback target
-        from ldm.run import train
+        from ldm.training.run import train
 
         clock = work / f"clock-{variant}-{batch}.json".replace(" ", "")
         logdir = work / "logs"  # removed after each run: a checkpoint of SD 1.5 with Adam states is ~10 GB
@@ -203,7 +203,7 @@ def has_colossalai() -> bool:
 def write_inputs(work: Path, args) -> int:
     """The random SD 1.5 folder (tiny SD with --smoke) and images in `work`; returns the UNet's FLOPs per image."""
     from benchmarks.gpu_8gb import random_images, random_sd15
-    from ldm.models.tiny import write_tiny_sd
+    from examples.tiny_sd import write_tiny_sd
 
     sd = write_tiny_sd(work / "sd") if args.smoke else random_sd15(work / "sd")
     random_images(

@@ -7,8 +7,8 @@ Both sides fine-tune the UNet of the same SD 1.5 pipeline (the real component co
 configs/models/sd15, random weights, written to a temporary folder) on the same 256 px images with
 captions, batch 1, for --steps optimizer steps, each side in a fresh process of its own. Plain is
 benchmarks/baseline.py: fp32 weights, torch AdamW, VAE and text encoder in fp32. Ours is
-`ldm.run.train` (what `main.py -t` runs) on configs/finetune/sd15-cpu-lowmem.yaml: bf16 UNet weights
-trained by ldm.optim.LowMemoryAdamW (8-bit first moment, factored second moment, stochastic rounding,
+`ldm.training.run.train` (what `main.py -t` runs) on configs/finetune/sd15-cpu-lowmem.yaml: bf16 UNet weights
+trained by ldm.training.optim.LowMemoryAdamW (8-bit first moment, factored second moment, stochastic rounding,
 step fused into backward), gradient checkpointing, bf16 VAE and text encoder. The step peak is the
 process's peak resident memory (VmHWM) over the training steps, reset once the networks are loaded;
 the peak with loading included is reported beside it.
@@ -84,7 +84,7 @@ def write_inputs(work: Path, size: int, smoke: bool) -> None:
     from benchmarks.throughput import write_images
 
     if smoke:
-        from ldm.models.tiny import write_tiny_sd
+        from examples.tiny_sd import write_tiny_sd
 
         write_tiny_sd(work / "sd")
     else:
@@ -111,7 +111,7 @@ def run_plain(sd: Path, images: Path, size: int, steps: int) -> dict:
 
 def run_ours(sd: Path, images: Path, size: int, steps: int, work: Path) -> dict:
     """Our training path on the low-memory preset: its peaks, loading, then the steps."""
-    from ldm.run import train
+    from ldm.training.run import train
 
     record = work / "ours-peaks.json"
     train(
@@ -149,7 +149,7 @@ def measure(side: str, work: Path, size: int, steps: int) -> dict:
 
 def tiny_losses(work: Path, config: Path, steps: int, lr: float) -> list[float]:
     """The per-step training losses of our path on the tiny model with `config` (CSV log of the run)."""
-    from ldm.run import train
+    from ldm.training.run import train
 
     run = train(
         [str(config)],
@@ -184,7 +184,7 @@ def compare_learning(work: Path, steps: int, lr: float) -> dict:
     """Plain AdamW against the low-memory settings on the tiny model: mean losses at the start and over
     the last quarter, and ours' relative difference."""
     from benchmarks.throughput import write_images
-    from ldm.models.tiny import write_tiny_sd
+    from examples.tiny_sd import write_tiny_sd
 
     write_tiny_sd(work / "tiny-sd")
     write_images(work / "tiny-images", 32, 16)

@@ -114,7 +114,7 @@ class StepClock(pl.Callback):
 
 def write_model(model: Model, out: Path) -> Path:
     """The model's SD-shaped pipeline folder, random weights."""
-    from ldm.models.tiny import write_tiny_sd
+    from examples.tiny_sd import write_tiny_sd
 
     if model.name == "tiny":
         return write_tiny_sd(out)
@@ -134,8 +134,8 @@ def write_images(root: Path, count: int, size: int) -> Path:
 
 
 def ours(model: Model, sd: Path, images: Path, work: Path, label: str, overrides: list[str], steps: int) -> dict:
-    """Images/s of `ldm.run.train` (what `main.py -t` runs) with `overrides`; setup seconds apart."""
-    from ldm.run import train
+    """Images/s of `ldm.training.run.train` (what `main.py -t` runs) with `overrides`; setup seconds apart."""
+    from ldm.training.run import train
 
     clock = work / f"clock-{time.perf_counter_ns()}.json"
     train(

@@ -6,7 +6,7 @@
 Both sides train the same text-to-image model from scratch (the quickstart's, as
 `configs/quickstart/digits-ldm.yaml` describes it, on latents of the same stage-1 autoencoder, trained here first
 and not timed) with the same batch, learning rate, warm-up, clipping and caption dropout:
-- ours: the quickstart recipe through `ldm.run.train` (latents and captions encoded once, Min-SNR
+- ours: the quickstart recipe through `ldm.training.run.train` (latents and captions encoded once, Min-SNR
   weighting, full batches only);
 - plain: the diffusers-style loop of `benchmarks/baseline.py` (VAE and text encoder every step, plain
   MSE). It trains the parts the config trains, and drops the last partial batch as it always does.
@@ -61,8 +61,8 @@ class AccuracyClock:
 
     def check(self, step: int, parts: Any) -> bool:
         """Judge the model when due; True when the side should stop (target reached or budget spent)."""
-        from ldm.digit_eval import evaluate_pipeline
-        from ldm.pipeline import build_pipeline
+        from examples.digits.judge import evaluate_pipeline
+        from ldm.sampling import build_pipeline
 
         seconds = self.elapsed()
         last = self.points[-1][0] if self.points else 0.0
@@ -94,7 +94,7 @@ class JudgeEvery(pl.Callback):
 def run_ours(clock_args: dict, vae_dir: Path, work: Path, max_steps: int, overrides: list[str] = ()) -> AccuracyClock:
     """The quickstart recipe, as `main.py -t -b configs/quickstart/digits-ldm.yaml` runs it."""
     from benchmarks import time_to_quality as this  # the module the config's callback target imports
-    from ldm.run import train
+    from ldm.training.run import train
 
     this.CLOCK = AccuracyClock(**clock_args)
     train(
@@ -118,8 +118,8 @@ def run_ours(clock_args: dict, vae_dir: Path, work: Path, max_steps: int, overri
 
 def run_plain(clock_args: dict, vae_dir: Path, max_steps: int, overrides: list[str] = ()) -> AccuracyClock:
     """The same model and hyperparameters in the plain loop."""
-    from ldm.data.digits import DigitsDataset
-    from ldm.models.parts import build_parts
+    from examples.digits.data import DigitsDataset
+    from ldm.components.build import build_parts
 
     clock = AccuracyClock(**clock_args)
     cfg = OmegaConf.merge(OmegaConf.load(LDM_CONFIG), OmegaConf.from_dotlist(list(overrides)))
@@ -154,8 +154,8 @@ def main() -> None:
     p.add_argument("--ours", nargs="+", default=[], metavar="KEY=VALUE",
                    help="config overrides for our side only, e.g. model.params.snr_gamma=null to ablate")  # fmt: skip
     args = p.parse_args()
-    from ldm.digit_eval import train_digit_classifier
-    from ldm.quickstart import train_autoencoder
+    from examples.digits.judge import train_digit_classifier
+    from examples.digits.quickstart import train_autoencoder
 
     quiet()
     autoencoder_steps, max_steps, samples, steps = (5, 3, 1, 2) if args.smoke else (None, 100_000, 10, 25)

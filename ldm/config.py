@@ -1,8 +1,8 @@
 """Load, merge, check and instantiate YAML configs; every error names the key path and its file.
 
-A config is data: `model`, `data` and `lightning` sections whose nodes of the form
-`{target: dotted.path, params: {...}}` are checked against the target's signature (unknown
-parameters, wrong types, missing files) before anything is built.
+A config is data: nodes of the form `{target: dotted.path, params: {...}}` are checked against the
+target's signature (unknown parameters, wrong types, missing files) before anything is built. This
+module knows no section of ours; the rules of a training config are `ldm.training.checks`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 ExistingPath = NewType("ExistingPath", str)
 """A parameter annotated with this must name a file or folder that exists."""
-
-TOP_LEVEL_KEYS = ("model", "data", "lightning")
-LIGHTNING_KEYS = ("trainer", "callbacks", "modelcheckpoint")
 
 
 class ConfigError(ValueError):
@@ -123,87 +120,6 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
-    """Check the whole config before anything is built; raise one `ConfigError` naming the key."""
-    sources = sources or Sources()
-    for key in cfg:
-        if key not in TOP_LEVEL_KEYS:
-            fail(sources, str(key), f"unknown section; valid sections: {', '.join(TOP_LEVEL_KEYS)}")
-    for section in ("model", "data"):
-        if section not in cfg:
-            raise ConfigError(f"{section}: missing section; every config needs `{section}: {{target, params}}`")
-        if section == "data" and isinstance(cfg.data, Mapping) and "target" in cfg.data:
-            _check_datamodule(cfg.data.target, sources)
-        check_target_node(cfg[section], section, sources)
-    lightning = cfg.get("lightning") or {}
-    if not isinstance(lightning, Mapping):
-        fail(sources, "lightning", "must be a mapping")
-    for key in lightning:
-        if key not in LIGHTNING_KEYS:
-            fail(sources, f"lightning.{key}", f"unknown key; valid keys: {', '.join(LIGHTNING_KEYS)}")
-    trainer = lightning.get("trainer") or {}
-    check_params(trainer, _trainer_signature(), "lightning.trainer", sources, skip=("strategy",))
-    strategy = trainer.get("strategy")
-    if isinstance(strategy, Mapping):
-        from ldm.strategies import LEGACY_TARGETS, translate_legacy_strategy
-
-        if strategy.get("target") in LEGACY_TARGETS:  # configs written for Lightning 1.x's ColossalAIStrategy
-            cfg.lightning.trainer.strategy = translate_legacy_strategy(strategy)
-            strategy = cfg.lightning.trainer.strategy
-        check_target_node(strategy, "lightning.trainer.strategy", sources)
-        check_whole = getattr(import_target(strategy["target"]), "check_run_config", None)
-        if check_whole is not None:  # combinations a strategy cannot train, e.g. an optimizer it cannot drive
-            check_whole(cfg, sources)
-    callbacks = lightning.get("callbacks") or {}
-    if not isinstance(callbacks, Mapping):
-        fail(sources, "lightning.callbacks", "must be a mapping of name: {target, params}")
-    for name, node in callbacks.items():
-        if node is not None:  # `lightning.callbacks.NAME=null` switches off a callback a base config adds
-            check_target_node(node, f"lightning.callbacks.{name}", sources)
-    checkpoint = lightning.get("modelcheckpoint") or {}
-    for k in checkpoint:
-        if k != "params":
-            fail(sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (every_n_train_steps, keep)")
-    from ldm.callbacks.checkpoints import Checkpoints
-
-    check_params(
-        checkpoint.get("params") or {},
-        _signature(Checkpoints),
-        "lightning.modelcheckpoint.params",
-        sources,
-        skip=("dirpath",),
-        supplied=("dirpath",),
-    )
-    if lightning.get("logger") is not None:
-        fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
-    optimizer = (cfg.model.get("params") or {}).get("optimizer")
-    if isinstance(optimizer, Mapping):
-        check_whole = getattr(
-            import_target(optimizer["target"], "model.params.optimizer.target", sources), "check_run_config", None
-        )
-        if check_whole is not None:  # training settings an optimizer cannot honour, e.g. clipping with a fused step
-            check_whole(cfg, sources)
-
-
-def _check_datamodule(target: str, sources: Sources) -> None:
-    from lightning.pytorch import LightningDataModule
-
-    cls = import_target(target, "data.target", sources)
-    if not (isinstance(cls, type) and issubclass(cls, LightningDataModule)):
-        fail(
-            sources,
-            "data.target",
-            f"{target} is not a LightningDataModule; put a Dataset under "
-            "data.params.dataset and set data.target: ldm.data.DataModule",
-        )
-
-
-def _trainer_signature() -> inspect.Signature:
-    from lightning.pytorch import Trainer
-
-    return inspect.signature(Trainer.__init__)
-
-
 def import_target(path: str, key: str = "target", sources: Sources | None = None) -> Any:
     """Import `package.module.Name`; a bad path is a `ConfigError` naming the key."""
     module_name, _, attr = str(path).rpartition(".")
@@ -217,7 +133,7 @@ def import_target(path: str, key: str = "target", sources: Sources | None = None
         return getattr(module, attr)
     except AttributeError:
         fail(sources, key, f"cannot import {path!r}: module {module_name!r} has no {attr!r}")
-    except ImportError as err:  # a lazily imported optional dependency, e.g. ldm.strategies.ColossalAIStrategy
+    except ImportError as err:  # a lazily imported optional dependency, e.g. ldm.training.strategies.ColossalAIStrategy
         fail(sources, key, f"cannot import {path!r}: {_one_line(err)}")
 
 
@@ -237,7 +153,7 @@ def check_target_node(node: Any, key: str, sources: Sources | None = None, suppl
         fail(sources, f"{key}.params", f"must be a mapping, got {_show(params)}")
     if not callable(target):
         fail(sources, f"{key}.target", f"{node['target']} is not a class or function to call")
-    sig = _signature(target)
+    sig = signature(target)
     positional = [n for n, p in sig.parameters.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
     if supplied and positional and supplied[0] not in sig.parameters:
         # The code passes its first argument by position; the target may call it differently
@@ -249,7 +165,7 @@ def check_target_node(node: Any, key: str, sources: Sources | None = None, suppl
     check_params(params, sig, f"{key}.params", sources, skip=supplied, supplied=supplied)
 
 
-def _signature(target: Any) -> inspect.Signature:
+def signature(target: Any) -> inspect.Signature:
     sig = inspect.signature(target)
     try:
         hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target, include_extras=True)
@@ -399,28 +315,34 @@ def to_plain(node: Any) -> Any:
     return node
 
 
-def instantiate(node: Any, key: str = "", **extra: Any) -> Any:
+def instantiate(
+    node: Any, key: str = "", rejections: tuple[type[BaseException], ...] = (ValueError,), **extra: Any
+) -> Any:
     """Build `target(**params, **extra)` from a `{target, params}` node.
 
-    A value the target rejects (`ValueError`, Lightning's `MisconfigurationException`) becomes a
-    `ConfigError` naming the node's key path, unless the message already names its own."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
+    A value the target rejects (one of `rejections`) becomes a `ConfigError` naming the key path of the
+    value (see `rejected`)."""
     target = import_target(node["target"], f"{key}.target")
     params = to_plain(node.get("params") or {})
     try:
         return target(**params, **extra)
     except ConfigError:
         raise
-    except (ValueError, MisconfigurationException) as err:
-        raise rejected(key, err) from None
+    except rejections as err:
+        raise rejected(key, err, target) from None
 
 
-def rejected(key: str, err: BaseException) -> ConfigError:
-    """A `ConfigError` for a value that the code built from `key` refused with `err`."""
+def rejected(key: str, err: BaseException, target: Any = None) -> ConfigError:
+    """A `ConfigError` for a value that the code built from the node at `key` refused with `err`.
+
+    A message that starts with a key path of the node's section is kept; one that starts with the name
+    of one of `target`'s parameters (`root: no images in ...`) gets that parameter's key path
+    (`data.params.dataset.params.root: ...`); any other is put after `key`."""
     message = _one_line(err)
-    return ConfigError(message if KEY_PATH.match(message) else f"{key}: {message}")
-
-
-# A message that starts with a key path (`data.params.root: ...`) already says where it comes from.
-KEY_PATH = re.compile(rf"^({'|'.join(TOP_LEVEL_KEYS)})\.[\w.\[\]]+[: ]")
+    section = key.split(".")[0]
+    if section and re.match(rf"^{re.escape(section)}\.[\w.\[\]]+[: ]", message):
+        return ConfigError(message)
+    named = re.match(r"^(\w+)(?=:| must )", message)
+    if named and target is not None and named[1] in signature(target).parameters:
+        return ConfigError(f"{key}.params.{message}")
+    return ConfigError(f"{key}: {message}")

@@ -1,15 +1,21 @@
 """Diffusion training math as pure functions of `alphas_cumprod` (DDPM, Ho et al. 2020).
 
+The objective is chosen by data: the prediction type (epsilon | v_prediction) and the loss weighting
+(`snr_gamma`: Min-SNR, or plain MSE); `ddpm_loss` is one training step's loss for any denoiser.
+
 They work for any noise schedule, need no scheduler object, and are tested against diffusers'
 `add_noise`, `get_velocity` and `training_utils.compute_snr`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 import torch.nn.functional as F
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+Denoiser = Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 
 
 def _gather(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -74,3 +80,25 @@ def diffusion_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torc
     if weights is not None:
         per_sample = per_sample * weights.to(per_sample)
     return per_sample.mean()
+
+
+def ddpm_loss(
+    denoiser: Denoiser,
+    x0: torch.Tensor,
+    cond: Mapping[str, torch.Tensor],
+    alphas_cumprod: torch.Tensor,
+    prediction_type: str,
+    snr_gamma: float | None = None,
+) -> torch.Tensor:
+    """The DDPM training loss of `denoiser(noisy, t, cond) -> prediction` on clean latents `x0`
+    (Ho et al. 2020, algorithm 1): a uniform timestep and Gaussian noise per sample, the target of
+    `prediction_type`, Min-SNR-gamma weights when `snr_gamma` is set.
+
+    The noise is drawn in logical order whatever `x0`'s memory layout (VAE outputs can be channels-last),
+    so cached and freshly encoded latents get the same noise."""
+    noise = torch.randn_like(x0, memory_format=torch.contiguous_format)
+    t = torch.randint(0, len(alphas_cumprod), (x0.shape[0],), device=x0.device)
+    prediction = denoiser(add_noise(x0, noise, t, alphas_cumprod), t, cond)
+    target = training_target(x0, noise, t, alphas_cumprod, prediction_type)
+    weights = None if snr_gamma is None else min_snr_weights(t, alphas_cumprod, snr_gamma, prediction_type)
+    return diffusion_loss(prediction, target, weights)

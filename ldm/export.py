@@ -1,68 +1,39 @@
-"""Weights across formats: our checkpoints, diffusers folders and original single files, any direction.
-
-The format follows the path: a folder with `model_index.json` is a diffusers pipeline; a file or
-folder holding our `ldm` entry is one of our checkpoints (recognised by content, whatever its
-name); any other `.safetensors` / `.ckpt` is an original Stable Diffusion single file.
-"""
+"""Weights out: diffusers pipelines, single files and conversions, from any format `ldm.weights` reads."""
 
 from __future__ import annotations
 
-import logging
+import json
 from pathlib import Path
 
-from ldm.checkpoint import load_checkpoint, load_pickle, parts_from_checkpoint
-from ldm.config import ConfigError
-from ldm.models.parts import Parts, build_parts
-from ldm.pipeline import write_pipeline
-from ldm.single_file import PICKLE_SUFFIXES, load_single_file, save_single_file, split_pickle
+from diffusers import StableDiffusionPipeline
 
-log = logging.getLogger(__name__)
-
-
-def read_parts(
-    src: str | Path,
-    ema: bool = False,
-    family: str | None = None,
-    trust_pickle: bool = False,
-    where: str = "--src",
-) -> Parts:
-    """Float32 parts from a diffusers folder, one of our checkpoints, or an original single file.
-
-    What was read (for a single file: the family and how it was told) is logged, after `where`."""
-    src = Path(src)
-    if src.is_dir():
-        if (src / "model_index.json").is_file():
-            if ema or family:
-                raise ValueError(f"{src}: a diffusers folder holds one set of weights; drop --ema / --family")
-            try:
-                return build_parts(pretrained=str(src), key=where)
-            except ConfigError as err:
-                raise ValueError(str(err)) from None
-        log.info("%s: %s: an ldm checkpoint folder", where, src)
-        return parts_from_checkpoint(load_checkpoint(src), ema)
-    if not src.is_file():
-        raise FileNotFoundError(f"no such file or folder: {src}")
-    loaded = ()
-    if src.suffix in PICKLE_SUFFIXES:
-        obj = load_pickle(src, trust_pickle)
-        if _is_our_checkpoint(obj):
-            if family:
-                raise ValueError(f"{src}: an ldm checkpoint knows its model; the family setting is for single files")
-            log.info("%s: %s: an ldm checkpoint (step %s)", where, src, obj.get("global_step"))
-            return parts_from_checkpoint(obj, ema)
-        loaded = split_pickle(obj, src)
-    parts, line = load_single_file(src, ema, family, loaded=loaded)
-    log.info("%s: %s", where, line)
-    return parts
+from ldm.sampling import build_pipeline, inference_scheduler
+from ldm.weights.checkpoint import load_checkpoint
+from ldm.weights.formats import PICKLE_SUFFIXES, Format, detect
+from ldm.weights.pipeline_folder import write_pipeline
+from ldm.weights.read import parts_from_checkpoint, read_parts
+from ldm.weights.single_file import save_single_file
 
 
-def _is_our_checkpoint(obj: object) -> bool:
-    return (
-        isinstance(obj, dict)
-        and isinstance(obj.get("ldm"), dict)
-        and isinstance(obj.get("state_dict"), dict)
-        and any(k.startswith("unet.") for k in obj["state_dict"])
-    )
+def load_pipeline(path: str | Path, sampler: str = "ddim", ema: bool = False) -> StableDiffusionPipeline:
+    """A pipeline from one of our checkpoints, an original single file, or a diffusers folder."""
+    path = Path(path)
+    if detect(path) is Format.DIFFUSERS:
+        if ema:
+            raise ValueError("--ema applies to checkpoints; an exported folder holds one set of weights")
+        pipe = StableDiffusionPipeline.from_pretrained(path, local_files_only=True, safety_checker=None)
+        pipe.scheduler = inference_scheduler(pipe.scheduler, sampler)
+        return pipe
+    return build_pipeline(read_parts(path, ema=ema), sampler)
+
+
+def export_pipeline(ckpt_path: str | Path, out_dir: str | Path, ema: bool = False, sampler: str = "ddim") -> Path:
+    """Write a checkpoint as a diffusers folder (safetensors weights, tokenizer, scheduler)."""
+    ckpt = load_checkpoint(ckpt_path)
+    out_dir = write_pipeline(parts_from_checkpoint(ckpt, ema=ema), out_dir, sampler)
+    if ckpt["ldm"].get("config"):
+        (out_dir / "ldm_config.json").write_text(json.dumps(ckpt["ldm"]["config"], indent=2))
+    return out_dir
 
 
 def convert(

@@ -1,46 +1,9 @@
 """Convert weights between an original SD single file, a diffusers folder and our checkpoints, without training.
 
-    python scripts/convert.py --src v1-5-pruned-emaonly.safetensors --dst sd15-diffusers
-    python scripts/convert.py --src sd15-diffusers --dst sd15.safetensors --half
-    python scripts/convert.py --src logs/RUN/checkpoints/last.ckpt --dst my-model.safetensors --ema
-
-The format follows the path: a folder is a diffusers pipeline, `.safetensors` / `.ckpt` a single
-file; our checkpoints are recognised by their content.
+The same as the `ldm-convert` command (`ldm.cli.convert`).
 """
 
-import argparse
-import logging
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ldm.export import convert  # noqa: E402
-from ldm.single_file import FAMILIES  # noqa: E402
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--src", required=True, help="diffusers folder, original .safetensors/.ckpt, or our checkpoint")
-    parser.add_argument("--dst", required=True, help="folder (diffusers) or .safetensors / .ckpt (single file)")
-    parser.add_argument("--half", action="store_true", help="write fp16 weights")
-    parser.add_argument("--ema", action="store_true", help="take the source's EMA weights")
-    parser.add_argument(
-        "--family", choices=list(FAMILIES), help="for SD 2.x single files: which one (the weights cannot tell)"
-    )
-    parser.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="allow a .ckpt that needs arbitrary unpickling (can run code): only for files you trust",
-    )
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        out = convert(args.src, args.dst, args.half, args.ema, args.family, args.trust_pickle)
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
-        sys.exit(f"convert: {err}")
-    print(out)
-
+from ldm.cli.convert import main
 
 if __name__ == "__main__":
     main()

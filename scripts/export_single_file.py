@@ -1,34 +1,9 @@
 """Export a checkpoint as one original-layout SD file (A1111, ComfyUI, diffusers' `from_single_file`).
 
-python scripts/export_single_file.py --ckpt logs/RUN/checkpoints/last.ckpt --out my-model.safetensors [--half] [--ema]
+The same as the `ldm-export-single-file` command (`ldm.cli.export_single_file`).
 """
 
-import argparse
-import logging
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ldm.checkpoint import load_checkpoint, parts_from_checkpoint  # noqa: E402
-from ldm.single_file import save_single_file  # noqa: E402
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", required=True, help="a checkpoint written by main.py (file or folder)")
-    parser.add_argument("--out", required=True, help="FILE.safetensors (recommended) or FILE.ckpt")
-    parser.add_argument("--half", action="store_true", help="write fp16 weights (half the size)")
-    parser.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        parts = parts_from_checkpoint(load_checkpoint(args.ckpt), ema=args.ema)
-        out = save_single_file(parts, args.out, half=args.half)
-    except (FileNotFoundError, ValueError) as err:
-        sys.exit(f"export_single_file: {err}")
-    print(out)
-
+from ldm.cli.export_single_file import main
 
 if __name__ == "__main__":
     main()

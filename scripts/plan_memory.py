@@ -1,43 +1,9 @@
 """Plan the memory of one training step of a config, on fake tensors (no GPU, no weights needed).
 
-With a ColossalAIStrategy config, it also splits that memory over GPU, CPU and NVMe.
-
-    python scripts/plan_memory.py -b configs/finetune/sd-folder.yaml model.params.pretrained=configs/models/sd15 \
-        data.params.root=. --gpu-gib 8
+The same as the `ldm-plan-memory` command (`ldm.cli.plan_memory`).
 """
 
-import argparse
-import logging
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ldm.config import ConfigError, check_config, load_config  # noqa: E402
-from ldm.memory import place, plan_training_step  # noqa: E402
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-b", "--base", action="append", required=True, metavar="CONFIG")
-    parser.add_argument("--batch-size", type=int, default=None, help="default: data.params.batch_size")
-    parser.add_argument("--resolution", type=int, default=None, help="image side in px; default: data.params.size")
-    parser.add_argument("--gpu-gib", type=float, default=None, help="say whether the step fits a card this size")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
-    args = parser.parse_intermixed_args()
-    logging.basicConfig(level=logging.WARNING)
-    try:
-        cfg, sources = load_config(args.base, args.overrides)
-        check_config(cfg, sources)
-        plan = plan_training_step(cfg, args.batch_size, args.resolution)
-    except ConfigError as err:
-        sys.exit(f"config error: {err}")
-    placement = place(plan, cfg)
-    print(plan.table(None if placement else args.gpu_gib))
-    if placement:
-        print()
-        print(placement.table(args.gpu_gib))
-
+from ldm.cli.plan_memory import main
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_sd(tmp_path_factory) -> Path:
-    from ldm.models.tiny import write_tiny_sd
+    from examples.tiny_sd import write_tiny_sd
 
     return write_tiny_sd(tmp_path_factory.mktemp("tiny-sd"))
 

@@ -19,8 +19,10 @@ from safetensors.torch import load_file
 
 pytest.importorskip("colossalai")
 
-from ldm.checkpoint import COLOSSAL_FILES, load_checkpoint  # noqa: E402
-from ldm.config import ConfigError, check_config, load_config  # noqa: E402
+from ldm.config import ConfigError, load_config
+from ldm.training.checks import check_config  # noqa: E402
+from ldm.weights.checkpoint import load_checkpoint
+from ldm.weights.formats import COLOSSAL_FILES  # noqa: E402
 from main import main  # noqa: E402
 from tests import colossalai_cpu  # noqa: E402
 from tests.helpers import SD_FOLDER, finetune_args, train_once  # noqa: E402
@@ -30,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 colossalai_cpu.apply()
 
 ZERO = (
-    "lightning.trainer.strategy={target: ldm.strategies.ColossalAIStrategy, "
+    "lightning.trainer.strategy={target: ldm.training.strategies.ColossalAIStrategy, "
     "params: {plugin: zero, stage: 2, cpu_offload: true, overlap_communication: false}}"
 )
 
@@ -43,7 +45,10 @@ def close_process_group():
 
 
 def args(tiny_sd, images, logdir, *extra):
-    colossal = ["model.params.optimizer.target=ldm.strategies.HybridAdam", "lightning.trainer.precision=bf16-mixed"]
+    colossal = [
+        "model.params.optimizer.target=ldm.training.strategies.HybridAdam",
+        "lightning.trainer.precision=bf16-mixed",
+    ]
     return finetune_args(tiny_sd, images, logdir, *colossal, ZERO, *extra)
 
 
@@ -100,7 +105,7 @@ def test_resume_restores_exactly_what_was_saved(run, tiny_sd, image_folder, tmp_
 def test_resuming_a_folder_never_runs_code_from_its_optimizer_shards(run, tiny_sd, image_folder, tmp_path, capsys):
     """Colossal-AI reads its optimizer shards with torch's default, which unpickles anything on torch 2.5;
     ours are read weights-only. The planted shard's checksum is rewritten too, as an attacker would."""
-    from ldm.checkpoint import publish_checkpoint
+    from ldm.utils.atomic import publish
     from tests.test_single_file import Payload
 
     copy = shutil.copytree(run, tmp_path / "logs" / run.name, symlinks=True)
@@ -111,7 +116,7 @@ def test_resuming_a_folder_never_runs_code_from_its_optimizer_shards(run, tiny_s
         torch.save([*state, payload] if isinstance(state, list) else {**state, "planted": payload}, shard)
     partial = folder.with_name(folder.name + ".partial")
     folder.rename(partial)
-    publish_checkpoint(partial, folder)
+    publish(partial, folder)
     try:
         code = main(args(tiny_sd, image_folder, tmp_path / "logs", "lightning.trainer.max_steps=4", "-r", "auto"))
     finally:  # whatever Colossal-AI makes of the planted shard afterwards
@@ -150,7 +155,7 @@ def test_resume_continues_training(tiny_sd, image_folder, tmp_path):
 def test_export_from_the_folder(run, tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    from ldm.pipeline import export_pipeline
+    from ldm.export import export_pipeline
 
     export_pipeline(run / "checkpoints" / "last.ckpt", tmp_path / "pipe")
     pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "pipe", local_files_only=True)
@@ -194,23 +199,23 @@ def config_error(tmp_path, *overrides) -> str:
 
 
 NO_CALLBACKS = ("lightning.callbacks.image_logger=null", "lightning.callbacks.ema=null")
-GEMINI = "lightning.trainer.strategy={target: ldm.strategies.ColossalAIStrategy, params: {plugin: gemini}}"
+GEMINI = "lightning.trainer.strategy={target: ldm.training.strategies.ColossalAIStrategy, params: {plugin: gemini}}"
 
 
 def test_gemini_needs_an_optimizer_it_can_drive(tmp_path):
     message = config_error(tmp_path, GEMINI, *NO_CALLBACKS)
     assert message.startswith("model.params.optimizer.target")
-    assert "torch.optim.AdamW cannot be driven by Gemini; use ldm.strategies.HybridAdam" in message
+    assert "torch.optim.AdamW cannot be driven by Gemini; use ldm.training.strategies.HybridAdam" in message
 
 
 def test_gemini_rejects_callbacks_that_read_weights_between_steps(tmp_path):
-    message = config_error(tmp_path, GEMINI, "model.params.optimizer.target=ldm.strategies.HybridAdam")
+    message = config_error(tmp_path, GEMINI, "model.params.optimizer.target=ldm.training.strategies.HybridAdam")
     assert message.startswith("lightning.callbacks.image_logger") and "use plugin: zero" in message
 
 
 def test_plugin_specific_settings_and_clipping_by_value(tmp_path):
     zero_with_gemini_key = (
-        "lightning.trainer.strategy={target: ldm.strategies.ColossalAIStrategy, "
+        "lightning.trainer.strategy={target: ldm.training.strategies.ColossalAIStrategy, "
         "params: {plugin: zero, offload_optim_frac: 1.0}}"
     )
     assert "offload_optim_frac (command line): applies to plugin gemini only" in config_error(
@@ -221,7 +226,7 @@ def test_plugin_specific_settings_and_clipping_by_value(tmp_path):
         tmp_path,
         GEMINI,
         *NO_CALLBACKS,
-        "model.params.optimizer.target=ldm.strategies.HybridAdam",
+        "model.params.optimizer.target=ldm.training.strategies.HybridAdam",
         "lightning.trainer.precision=32-true",
     )
 
@@ -241,7 +246,7 @@ def test_nvme_offload_needs_tensornvme(tmp_path):
     message = config_error(
         tmp_path,
         ZERO,
-        "model.params.optimizer.target=ldm.strategies.HybridAdam",
+        "model.params.optimizer.target=ldm.training.strategies.HybridAdam",
         "model.params.optimizer.params.nvme_offload_fraction=1.0",
     )
     assert "nvme_offload_fraction" in message and "needs the tensornvme package" in message
@@ -253,7 +258,7 @@ def test_old_colossalai_config_is_translated(tmp_path):
         [
             f"model.params.pretrained={tmp_path}",
             f"data.params.root={tmp_path}",
-            "model.params.optimizer.target=ldm.strategies.HybridAdam",
+            "model.params.optimizer.target=ldm.training.strategies.HybridAdam",
             *NO_CALLBACKS,
             "lightning.trainer.precision=16",
             "lightning.trainer.strategy={target: lightning.pytorch.strategies.ColossalAIStrategy, params: "
@@ -263,7 +268,7 @@ def test_old_colossalai_config_is_translated(tmp_path):
     )
     check_config(cfg, sources)
     assert cfg.lightning.trainer.strategy == {
-        "target": "ldm.strategies.ColossalAIStrategy",
+        "target": "ldm.training.strategies.ColossalAIStrategy",
         "params": {
             "plugin": "gemini",
             "shard_param_frac": 1.0,
@@ -278,7 +283,7 @@ def test_old_colossalai_config_is_translated(tmp_path):
 
 def test_planner_placement_matches_what_zero_allocates(tiny_sd, image_folder, tmp_path):
     """The planner's byte arithmetic for ZeRO + CPU offload against the optimizer of a real run."""
-    from ldm.memory import place, plan_training_step
+    from ldm.training.memory import place, plan_training_step
 
     record = tmp_path / "bytes.json"
     extra = [
@@ -364,7 +369,7 @@ def test_gemini_plugin_is_built_from_the_strategy_and_trainer_settings():
 
     from colossalai.booster.plugin import GeminiPlugin
 
-    from ldm.strategies import ColossalAIPrecision, ColossalAIStrategy
+    from ldm.training.strategies import ColossalAIPrecision, ColossalAIStrategy
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)

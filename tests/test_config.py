@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from ldm.config import ConfigError, check_config, load_config
+from ldm.config import ConfigError, load_config
+from ldm.training.checks import check_config
 from main import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,9 +112,9 @@ def test_invalid_yaml_and_missing_file(tmp_path):
 
 def test_data_target_must_be_a_datamodule(valid):
     with pytest.raises(
-        ConfigError, match=r"^data\.target \(command line\): ldm.data.digits.DigitsDataset is not a Lightning"
+        ConfigError, match=r"^data\.target \(command line\): examples.digits.data.DigitsDataset is not a Lightning"
     ):
-        check([SD_FOLDER], valid + ["data.target=ldm.data.digits.DigitsDataset"])
+        check([SD_FOLDER], valid + ["data.target=examples.digits.data.DigitsDataset"])
 
 
 def test_main_prints_one_line_and_exits_2(capsys, valid, tmp_path):
@@ -141,7 +142,7 @@ def test_main_prints_one_line_and_exits_2(capsys, valid, tmp_path):
             "lightning.trainer.strategy=fsdpp",
             "lightning.trainer: You selected an invalid strategy name: `strategy='fsdpp'`",
         ),
-        ("lightning.callbacks.ema.params.decay=2", "lightning.callbacks.ema: decay: got 2; must be in (0, 1)"),
+        ("lightning.callbacks.ema.params.decay=2", "lightning.callbacks.ema.params.decay: got 2; must be in (0, 1)"),
         ("lightning.modelcheckpoint.params.keep=0", "lightning.modelcheckpoint.params.keep: got 0; must be at least 1"),
         (
             "lightning.modelcheckpoint.params.save_top_k=3",
@@ -172,3 +173,18 @@ def test_bad_values_anywhere_are_one_line_naming_the_key(override, message, caps
     assert code == 2
     assert err[-1].startswith(f"config error: {message}"), err[-1]
     assert not list((tmp_path / "logs").glob("*/checkpoints/*")), "no checkpoint"
+
+
+def test_an_error_names_the_key_its_value_came_from(capsys, tiny_sd, tmp_path):
+    """A FolderDataset nested under a DataModule reports its own key path, not the flat FolderDataModule's."""
+    (tmp_path / "empty").mkdir()
+    config = tmp_path / "nested.yaml"
+    config.write_text(
+        f"model: {{target: ldm.models.diffusion.ddpm.LatentDiffusion, params: {{pretrained: {tiny_sd}}}}}\n"
+        "data:\n  target: ldm.data.DataModule\n  params:\n    dataset:\n"
+        f"      target: ldm.data.folder.FolderDataset\n      params: {{root: {tmp_path / 'empty'}, size: 16}}\n"
+        "lightning: {trainer: {max_steps: 1}}\n"
+    )
+    assert main(["-t", "-b", str(config), "-l", str(tmp_path / "logs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("config error: data.params.dataset.params.root: no images (.png"), err

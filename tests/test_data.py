@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from examples.digits.data import DigitsDataset
 from ldm.data import DataModule, ResumableSampler
-from ldm.data.digits import DigitsDataset
 from ldm.data.folder import FolderDataset
 from tests.conftest import write_images
 
@@ -68,7 +68,7 @@ def test_sampler_shards_by_rank():
 
 
 def test_datamodule_caption_dropout_and_loader():
-    dm = DataModule({"target": "ldm.data.digits.DigitsDataset", "params": {"split": "test"}}, batch_size=16,
+    dm = DataModule({"target": "examples.digits.data.DigitsDataset", "params": {"split": "test"}}, batch_size=16,
                     caption_dropout=1.0)  # fmt: skip
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
@@ -81,7 +81,7 @@ def test_datamodule_caption_dropout_and_loader():
 def test_drop_last_serves_only_full_batches_and_refuses_a_dataset_smaller_than_one():
     from ldm.config import ConfigError
 
-    spec = {"target": "ldm.data.digits.DigitsDataset", "params": {"split": "test"}}  # 180 digits
+    spec = {"target": "examples.digits.data.DigitsDataset", "params": {"split": "test"}}  # 180 digits
     sizes = {}
     for drop_last in (False, True):
         dm = DataModule(spec, batch_size=64, drop_last=drop_last)

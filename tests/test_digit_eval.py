@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from ldm.data.digits import DigitsDataset
-from ldm.digit_eval import (
+from examples.digits.data import DigitsDataset
+from examples.digits.judge import (
     classifier_accuracy,
     evaluate_pipeline,
     score_samples,

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ldm.checkpoint import load_checkpoint, verify_checkpoint
+from ldm.utils.atomic import verify
+from ldm.weights.checkpoint import load_checkpoint
 from main import main
 from tests.helpers import finetune_args
 
@@ -92,8 +93,8 @@ def test_resume_auto_skips_damaged_checkpoints_and_says_which_it_took(
     newest = copy / "checkpoints" / "step-000008.ckpt"
     with open(newest, "r+b") as f:  # a truncated copy, as a full disk or an interrupted rsync leaves
         f.truncate(newest.stat().st_size // 2)
-    assert "does not match its checksum" in verify_checkpoint(newest)
-    assert "does not match" in verify_checkpoint(copy / "checkpoints" / "last.ckpt"), "the link is checked too"
+    assert "does not match its checksum" in verify(newest)
+    assert "does not match" in verify(copy / "checkpoints" / "last.ckpt"), "the link is checked too"
     rec = tmp_path / "l"
     with caplog.at_level(logging.INFO, logger="ldm"):
         code = main(args(tiny_sd, image_folder, tmp_path / "logs", "lightning.trainer.max_steps=8", "-r", "auto",
@@ -102,7 +103,7 @@ def test_resume_auto_skips_damaged_checkpoints_and_says_which_it_took(
     assert f"-r auto: skipping {newest}: step-000008.ckpt does not match its checksum" in caplog.text
     assert f"-r auto: resuming {copy / 'checkpoints' / 'step-000006.ckpt'}" in caplog.text
     assert losses(rec) == {7: reference[7], 8: reference[8]}, "resumed from step 6: steps 7 and 8 again, same losses"
-    assert verify_checkpoint(newest) is None, "step 8 was written again, whole"
+    assert verify(newest) is None, "step 8 was written again, whole"
 
 
 def test_a_flipped_byte_is_caught_and_an_explicit_resume_refused(unbroken, tiny_sd, image_folder, tmp_path):
@@ -114,7 +115,7 @@ def test_a_flipped_byte_is_caught_and_an_explicit_resume_refused(unbroken, tiny_
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    assert "does not match its checksum" in verify_checkpoint(newest)
+    assert "does not match its checksum" in verify(newest)
     code = main(args(tiny_sd, image_folder, tmp_path / "logs", "-r", str(newest)))
     assert code == 2, "a one-line config error, before anything is built"
 
@@ -143,7 +144,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_sd, i
     assert "checkpoint error: could not write the step 4 checkpoint in" in err
     assert "No space left on device" in err and "the last good checkpoint, step-000002.ckpt, is intact" in err
     assert steps_on_disk(run_dir) == ["last.ckpt", "step-000002.ckpt", "step-000002.ckpt.sha256"]
-    assert verify_checkpoint(folder / "last.ckpt") is None
+    assert verify(folder / "last.ckpt") is None
     assert main(args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=6", "-r", "auto")) == 0
     assert load_checkpoint(folder / "last.ckpt")["global_step"] == 6
 
@@ -196,7 +197,7 @@ def test_two_ranks_both_save_and_exit_when_only_rank_0_is_signalled(tiny_sd, ima
     assert sorted(p.name for p in done_dir.iterdir()) == ["0.done", "1.done"]
     assert {p.read_text() for p in done_dir.iterdir()} == {"3"}, "both ranks stopped at the step rank 0 got it"
     (run_dir,) = logdir.iterdir()
-    assert verify_checkpoint(run_dir / "checkpoints" / "last.ckpt") is None
+    assert verify(run_dir / "checkpoints" / "last.ckpt") is None
     assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 3
 
 

@@ -8,8 +8,8 @@ import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
-from ldm.checkpoint import load_checkpoint
 from ldm.config import ConfigError
+from ldm.weights.checkpoint import load_checkpoint
 from main import main
 from tests.helpers import finetune_args, run_script, train_once
 
@@ -61,7 +61,7 @@ def test_export_loads_in_diffusers_with_exactly_the_trained_weights(run, tmp_pat
     out = tmp_path / "pipe"
     ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
     for ema in (False, True):
-        from ldm.pipeline import export_pipeline
+        from ldm.export import export_pipeline
 
         export_pipeline(run / "checkpoints" / "last.ckpt", out, ema=ema)
         pipe = StableDiffusionPipeline.from_pretrained(out, local_files_only=True)
@@ -84,7 +84,7 @@ CHECK_EXPORT = """
 import sys, torch
 from safetensors.torch import load_file
 from transformers import CLIPTextModel, CLIPTokenizer
-from ldm.checkpoint import load_checkpoint
+from ldm.weights.checkpoint import load_checkpoint
 folder, ckpt = sys.argv[1], load_checkpoint(sys.argv[2])
 def plain(state, prefix=""):  # the text_model. level exists in transformers 4, not in 5
     return {k[len(prefix):].removeprefix("text_model."): v for k, v in state.items() if k.startswith(prefix)}
@@ -103,7 +103,7 @@ def test_export_loads_the_same_under_transformers_4_and_5(run, tmp_path):
     import subprocess
     import sys
 
-    from ldm.pipeline import export_pipeline
+    from ldm.export import export_pipeline
 
     ckpt = run / "checkpoints" / "last.ckpt"
     here = export_pipeline(ckpt, tmp_path / "here")
@@ -115,7 +115,7 @@ def test_export_loads_the_same_under_transformers_4_and_5(run, tmp_path):
     if not other.is_file():
         pytest.skip(f"{other} is not installed: nothing to cross-check against")
     there = tmp_path / "there"
-    export = f"from ldm.pipeline import export_pipeline; export_pipeline({str(ckpt)!r}, {str(there)!r})"
+    export = f"from ldm.export import export_pipeline; export_pipeline({str(ckpt)!r}, {str(there)!r})"
     subprocess.run([str(other), "-c", export], check=True, cwd=REPO)
     for python, folder in ((sys.executable, there), (str(other), here)):
         done = subprocess.run(

@@ -8,10 +8,11 @@ import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 
-from ldm.checkpoint import load_checkpoint, parts_from_checkpoint
 from ldm.config import ConfigError
-from ldm.lora import LORA_FILE
-from ldm.single_file import load_single_file
+from ldm.weights.checkpoint import load_checkpoint
+from ldm.weights.lora_file import LORA_FILE
+from ldm.weights.read import parts_from_checkpoint
+from ldm.weights.single_file import load_single_file
 from main import main
 from tests.helpers import SD_FOLDER, finetune_args, run_script, train_once
 

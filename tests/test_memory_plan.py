@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from ldm.config import load_config
-from ldm.memory import GIB, plan_training_step
+from ldm.training.memory import GIB, plan_training_step
 
 SD_FOLDER = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "sd-folder.yaml"
 

@@ -1,4 +1,4 @@
-"""ldm.optim.LowMemoryAdamW: AdamW's update from compact state, small bf16 updates kept, the step fused into
+"""ldm.training.optim.LowMemoryAdamW: AdamW's update from compact state, small bf16 updates kept, the step fused into
 backward, exact resume, refused settings, and a low-memory fine-tune through main.py."""
 
 import io
@@ -9,11 +9,12 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from ldm.checkpoint import load_checkpoint
-from ldm.config import ConfigError, check_config, load_config
+from examples.tiny_sd import TINY_UNET
+from ldm.config import ConfigError, load_config
 from ldm.models.diffusion.ddpm import LatentDiffusion
-from ldm.models.tiny import TINY_UNET
-from ldm.optim import LowMemoryAdamW, _dequantize, _quantize
+from ldm.training.checks import check_config
+from ldm.training.optim import LowMemoryAdamW, _dequantize, _quantize
+from ldm.weights.checkpoint import load_checkpoint
 from main import main
 from tests.helpers import finetune_args
 
@@ -237,8 +238,8 @@ def test_settings_the_fused_step_cannot_honour_are_refused(valid, override, key)
 
 def test_colossalai_strategy_is_refused():
     cfg = {
-        "model": {"params": {"optimizer": {"target": "ldm.optim.LowMemoryAdamW"}}},
-        "lightning": {"trainer": {"strategy": {"target": "ldm.strategies.ColossalAIStrategy"}}},
+        "model": {"params": {"optimizer": {"target": "ldm.training.optim.LowMemoryAdamW"}}},
+        "lightning": {"trainer": {"strategy": {"target": "ldm.training.strategies.ColossalAIStrategy"}}},
     }
     with pytest.raises(ConfigError, match=r"^lightning\.trainer\.strategy: ColossalAIStrategy keeps its own fp32"):
         LowMemoryAdamW.check_run_config(cfg)
@@ -253,7 +254,7 @@ def test_bf16_weights_need_an_optimizer_that_keeps_small_updates(tiny_sd):
         LatentDiffusion(
             pretrained=str(tiny_sd),
             trainable_dtype="bfloat16",
-            optimizer={"target": "ldm.optim.LowMemoryAdamW"},
+            optimizer={"target": "ldm.training.optim.LowMemoryAdamW"},
             lora={"rank": 4},
         )
 
@@ -270,7 +271,7 @@ LOW_MEMORY_OVERRIDES = (  # sd-folder.yaml (EMA included) as the preset sets it 
     "model.params.trainable_dtype=bfloat16",
     "model.params.frozen_dtype=bfloat16",
     "model.params.gradient_checkpointing=true",
-    "model.params.optimizer.target=ldm.optim.LowMemoryAdamW",
+    "model.params.optimizer.target=ldm.training.optim.LowMemoryAdamW",
     "lightning.trainer.gradient_clip_val=null",
     "lightning.callbacks.image_logger=null",
     "lightning.modelcheckpoint.params.every_n_train_steps=2",

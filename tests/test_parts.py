@@ -2,8 +2,8 @@
 
 import pytest
 
+from ldm.components.build import build_part, build_parts
 from ldm.config import ConfigError
-from ldm.models.parts import build_part, build_parts
 
 
 def test_parts_from_a_pipeline_folder(tiny_sd):

@@ -4,7 +4,7 @@ import json
 
 from diffusers import StableDiffusionPipeline
 
-from ldm.quickstart import run_quickstart
+from examples.digits.quickstart import run_quickstart
 
 
 def test_quickstart_smoke(tmp_path):

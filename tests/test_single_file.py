@@ -12,11 +12,12 @@ import yaml
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file, save_file
 
-from ldm.checkpoint import parts_from_description
-from ldm.export import convert, read_parts
-from ldm.models.parts import build_parts
-from ldm.pipeline import build_pipeline, inference_scheduler, sample
-from ldm.single_file import (
+from ldm.components.build import build_parts
+from ldm.components.describe import parts_from_description
+from ldm.export import convert
+from ldm.sampling import build_pipeline, inference_scheduler, sample
+from ldm.weights.read import read_parts
+from ldm.weights.single_file import (
     FAMILIES,
     SingleFileError,
     detect_family,
@@ -46,7 +47,7 @@ def assert_same_weights(a, b) -> None:
 @pytest.fixture(scope="module", params=["epsilon", "v_prediction"])
 def sd_layout(request, tmp_path_factory) -> Path:
     """A tiny diffusers folder with SD's block layout; v_prediction stands for SD 2.x (OpenCLIP layout)."""
-    from ldm.models.tiny import SD_LAYOUT_UNET, SD_LAYOUT_VAE, write_tiny_sd
+    from examples.tiny_sd import SD_LAYOUT_UNET, SD_LAYOUT_VAE, write_tiny_sd
 
     unet = dict(SD_LAYOUT_UNET, use_linear_projection=request.param == "v_prediction")
     folder = tmp_path_factory.mktemp(f"sd-layout-{request.param}")
@@ -200,7 +201,7 @@ def test_ema_weights_are_chosen_when_asked(tiny_sd, tmp_path):
 
 
 def _described(parts) -> dict:
-    from ldm.checkpoint import describe_parts
+    from ldm.components.describe import describe_parts
 
     return describe_parts(parts)
 
@@ -256,7 +257,7 @@ def test_convert_refuses_to_overwrite_and_unknown_suffixes(tiny_sd, tmp_path):
 
 
 def test_sampling_reads_single_files(tiny_sd, tmp_path):
-    from ldm.pipeline import load_pipeline
+    from ldm.export import load_pipeline
 
     single = convert(tiny_sd, tmp_path / "tiny.safetensors")
     assert_same_weights(load_pipeline(single), build_parts(pretrained=str(tiny_sd)))

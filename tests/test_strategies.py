@@ -4,8 +4,10 @@ import importlib.util
 
 import pytest
 
-from ldm.config import ConfigError, check_config, load_config
-from ldm.strategies import TARGET, translate_legacy_strategy
+from ldm.config import ConfigError, load_config
+from ldm.training.checks import check_config
+from ldm.training.strategies import TARGET
+from ldm.training.strategies.legacy import translate_legacy_strategy
 from tests.helpers import SD_FOLDER
 
 
@@ -49,7 +51,7 @@ def test_the_strategy_without_colossalai_says_how_to_install_it(tmp_path):
         [
             f"model.params.pretrained={tmp_path}",
             f"data.params.root={tmp_path}",
-            "lightning.trainer.strategy={target: ldm.strategies.ColossalAIStrategy, params: {plugin: zero}}",
+            "lightning.trainer.strategy={target: ldm.training.strategies.ColossalAIStrategy, params: {plugin: zero}}",
         ],
     )
     with pytest.raises(

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from ldm import tokenizers
-from ldm.tokenizers import clip_bpe_path, write_clip_tokenizer
+from ldm.components import tokenizers
+from ldm.components.tokenizers import clip_bpe_path, write_clip_tokenizer
 
 CAT_IDS = [49406, 320, 1125, 539, 320, 2368, 49407]
 BOS_ID, EOS_ID = 49406, 49407

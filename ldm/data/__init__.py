@@ -58,7 +58,7 @@ class ResumableSampler(Sampler):
 
 class _Indexed(Dataset):
     """Index with the sampler's tuples: the example (seeded if the dataset has `get(index, seed)`),
-    its caption emptied when asked, with its caption's text embedding when they were cached."""
+    its caption emptied when asked, with its caption's conditioning (`cond`) when captions were encoded once."""
 
     def __init__(self, dataset: Dataset, text_cache: _TextCache | None = None) -> None:
         self.dataset, self.text_cache = dataset, text_cache
@@ -73,18 +73,22 @@ class _Indexed(Dataset):
         if drop:
             example["caption"] = ""
         if self.text_cache is not None:
-            example["text_embeddings"] = self.text_cache.embedding(index, drop)
+            example["cond"] = self.text_cache.embedding(index, drop)
         return example
 
 
 class _TextCache:
-    """Each distinct caption's text embedding, computed once; `embedding(index, dropped)` looks one up."""
+    """Each distinct caption's conditioning (a mapping of tensors), computed once; `embedding(index, dropped)`
+    looks one up."""
 
-    def __init__(self, embeddings: torch.Tensor, caption_ids: torch.Tensor, empty: torch.Tensor) -> None:
+    def __init__(self, embeddings: dict, caption_ids: torch.Tensor, empty: dict) -> None:
         self.embeddings, self.caption_ids, self.empty = embeddings, caption_ids, empty
 
-    def embedding(self, index: int, dropped: bool) -> torch.Tensor:
-        return self.empty if dropped else self.embeddings[self.caption_ids[index]]
+    def embedding(self, index: int, dropped: bool) -> dict[str, torch.Tensor]:
+        if dropped:
+            return self.empty
+        row = self.caption_ids[index]
+        return {k: v[row] for k, v in self.embeddings.items()}
 
 
 class _LatentCache(Dataset):
@@ -127,6 +131,8 @@ class ResumableDataLoader(DataLoader):
 class DataModule(pl.LightningDataModule):
     """Serve a dataset of `{pixel_values, caption}` examples to `LatentDiffusion`, resumably."""
 
+    dataset_key = "data.params.dataset"  # where the dataset's `{target, params}` node is, for errors
+
     def __init__(
         self,
         dataset: TargetSpec | Dataset,
@@ -157,7 +163,7 @@ class DataModule(pl.LightningDataModule):
 
     def build_dataset(self) -> Dataset:
         spec = self.dataset_spec
-        return instantiate(spec, "data.params.dataset") if isinstance(spec, dict) else spec
+        return instantiate(spec, self.dataset_key) if isinstance(spec, dict) else spec
 
     def setup(self, stage: str) -> None:
         if self.dataset is not None:
@@ -210,12 +216,13 @@ class DataModule(pl.LightningDataModule):
         was_training = model.training
         model.eval()
         try:
-            chunks = [model.encode_text(distinct[i : i + 64]).cpu() for i in range(0, len(distinct), 64)]
-            empty = model.encode_text([""])[0].cpu()
+            chunks = [model.encode_text(distinct[i : i + 64]) for i in range(0, len(distinct), 64)]
+            empty = {k: v[0].cpu() for k, v in model.encode_text([""]).items()}
         finally:
             model.train(was_training)
         log.info("cache_text: encoded %d distinct captions once with the model's text encoder", len(distinct))
-        return _TextCache(torch.cat(chunks), torch.tensor([position[c] for c in captions]), empty)
+        embeddings = {k: torch.cat([chunk[k].cpu() for chunk in chunks]) for k in chunks[0]}
+        return _TextCache(embeddings, torch.tensor([position[c] for c in captions]), empty)
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from pathlib import Path
 from typing import Literal
@@ -17,6 +16,7 @@ from torch.utils.data import Dataset
 from ldm.config import ExistingPath, TargetSpec
 from ldm.data import DataModule
 from ldm.data.images import BadImage, decode_image
+from ldm.utils.run_folder import current_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +97,14 @@ class FolderDataset(Dataset):
     ) -> None:
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
-            raise ValueError(f"data.params.root: {self.root} is not a folder")
+            raise ValueError(f"root: {self.root} is not a folder")
         if channels not in (1, 3):
-            raise ValueError(f"data.params.channels must be 1 or 3, got {channels}")
+            raise ValueError(f"channels must be 1 or 3, got {channels}")
         self.examples = find_examples(self.root, caption_extension)
         if not self.examples:
-            raise ValueError(f"data.params.root: no images ({', '.join(IMAGE_EXTENSIONS)}) found in {self.root}")
+            raise ValueError(f"root: no images ({', '.join(IMAGE_EXTENSIONS)}) found in {self.root}")
         if on_bad_sample not in ("skip", "error"):
-            raise ValueError(f"data.params.on_bad_sample: got {on_bad_sample!r}; valid: skip, error")
+            raise ValueError(f"on_bad_sample: got {on_bad_sample!r}; valid: skip, error")
         self.size, self.random_crop, self.flip, self.channels = size, random_crop, flip, channels
         self.on_bad_sample = on_bad_sample
         self.bad: set[int] = set()  # indices found undecodable, in this process
@@ -135,7 +135,7 @@ class FolderDataset(Dataset):
                 self._skip(candidate, str(err))
                 continue
             return {"pixel_values": pixels, "caption": caption}
-        raise BadImage(f"data.params.root: none of the {len(self.examples)} images in {self.root} can be decoded")
+        raise BadImage(f"root: none of the {len(self.examples)} images in {self.root} can be decoded")
 
     def _skip(self, index: int, reason: str) -> None:
         self.bad.add(index)
@@ -145,16 +145,16 @@ class FolderDataset(Dataset):
             reason,
             len(self.bad),
         )
-        from ldm.run import RUN_DIR_ENV
-
-        run_dir = os.environ.get(RUN_DIR_ENV)
-        if run_dir:
-            with open(Path(run_dir) / BAD_SAMPLES, "a", encoding="utf-8") as listing:
+        run_dir = current_run_dir()
+        if run_dir is not None:
+            with open(run_dir / BAD_SAMPLES, "a", encoding="utf-8") as listing:
                 listing.write(f"{self.examples[index][0]}\t{reason}\n")
 
 
 class FolderDataModule(DataModule):
     """`DataModule` over a `FolderDataset`: the flat parameters that `configs/finetune/sd-folder.yaml` uses."""
+
+    dataset_key = "data"  # the dataset's parameters are this node's own: data.params.root, ...
 
     def __init__(
         self,
@@ -191,11 +191,10 @@ class FolderDataModule(DataModule):
 
     def teardown(self, stage: str) -> None:
         """Sum up the skipped files of every process (workers and ranks log each their own) in one line."""
-        from ldm.run import RUN_DIR_ENV
-
-        listing = Path(os.environ.get(RUN_DIR_ENV, "")) / BAD_SAMPLES
-        if stage != "fit" or not os.environ.get(RUN_DIR_ENV) or not listing.is_file():
+        run_dir = current_run_dir()
+        if stage != "fit" or run_dir is None or not (run_dir / BAD_SAMPLES).is_file():
             return
+        listing = run_dir / BAD_SAMPLES
         if self.trainer is not None and not self.trainer.is_global_zero:
             return
         files = {line.split("\t", 1)[0] for line in listing.read_text(encoding="utf-8").splitlines() if line}

@@ -1,0 +1,56 @@
+"""Score a digits pipeline: does each prompt "a handwritten digit D" produce a D?
+
+python -m examples.digits.evaluate outputs/quickstart/pipeline [--json scores.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse arguments, evaluate the pipeline, print the scores and optionally save them."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("pipeline_dir", help="a saved StableDiffusionPipeline directory")
+    parser.add_argument("--samples-per-digit", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--guidance", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the scores here")
+    args = parser.parse_args(argv)
+
+    from diffusers import StableDiffusionPipeline
+
+    from examples.digits.data import DigitsDataset
+    from examples.digits.judge import classifier_accuracy, evaluate_pipeline, train_digit_classifier
+
+    pipe = StableDiffusionPipeline.from_pretrained(
+        args.pipeline_dir, safety_checker=None, requires_safety_checker=False
+    ).to("cpu")
+    pipe.set_progress_bar_config(disable=True)
+    classifier = train_digit_classifier(seed=args.seed)
+    test = DigitsDataset(split="test")
+    held_out = classifier_accuracy(classifier, test.images, test.labels)
+    result = evaluate_pipeline(
+        pipe,
+        samples_per_digit=args.samples_per_digit,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        seed=args.seed,
+        classifier=classifier,
+    )
+    result.pop("samples")
+    result["classifier_test_accuracy"] = held_out
+    print(f"classifier held-out accuracy: {held_out:.3f}")
+    print(f"prompt accuracy: {result['accuracy']:.3f}")
+    print("per digit: " + "  ".join(f"{d}:{a:.2f}" for d, a in enumerate(result["per_digit"])))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Export a checkpoint as one original-layout SD file (A1111, ComfyUI, diffusers' `from_single_file`).
+
+python scripts/export_single_file.py --ckpt logs/RUN/checkpoints/last.ckpt --out my-model.safetensors [--half] [--ema]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ldm.weights.checkpoint import load_checkpoint
+from ldm.weights.read import parts_from_checkpoint
+from ldm.weights.single_file import save_single_file
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", required=True, help="a checkpoint written by main.py (file or folder)")
+    parser.add_argument("--out", required=True, help="FILE.safetensors (recommended) or FILE.ckpt")
+    parser.add_argument("--half", action="store_true", help="write fp16 weights (half the size)")
+    parser.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        parts = parts_from_checkpoint(load_checkpoint(args.ckpt), ema=args.ema)
+        out = save_single_file(parts, args.out, half=args.half)
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"export_single_file: {err}")
+    print(out)

@@ -1,0 +1,122 @@
+"""Build the parts of a latent diffusion model from a local diffusers folder or from a config.
+
+Single files and our checkpoints are read by `ldm.weights`, which builds on this.
+
+Parts are library classes: diffusers `AutoencoderKL`, `UNet2DConditionModel` and noise schedulers,
+transformers `CLIPTextModel` and `CLIPTokenizer`. Nothing here reaches a model hub.
+"""
+
+from __future__ import annotations
+
+import inspect
+import tempfile
+from pathlib import Path
+from typing import Any, TypedDict
+
+import torch
+
+from ldm.components import Parts
+from ldm.components.tokenizers import write_clip_tokenizer
+from ldm.config import ConfigError, ExistingPath, import_target
+
+PART_NAMES = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+
+DEFAULT_CLASSES = {
+    "unet": "diffusers.UNet2DConditionModel",
+    "vae": "diffusers.AutoencoderKL",
+    "text_encoder": "transformers.CLIPTextModel",
+    "tokenizer": "transformers.CLIPTokenizer",
+    "scheduler": "diffusers.DDPMScheduler",
+}
+
+
+class PartSpec(TypedDict, total=False):
+    """How to get one part: from a local folder (`pretrained`, `subfolder`) or a `config` dict.
+
+    `target` names the class when it is not the part's default. A tokenizer's `config` is
+    `{vocab: clip, model_max_length: N}`: the real SD 1.x CLIP tokenizer, written offline.
+    """
+
+    target: str
+    pretrained: ExistingPath
+    subfolder: str
+    config: dict
+
+
+def build_parts(pretrained: str | None = None, key: str = "model.params", **specs: Any) -> Parts:
+    """Build every part: a module (or tokenizer, scheduler) passes through, a spec is built, a missing
+    one is the part's subfolder of the diffusers folder `pretrained`."""
+    built = Parts()
+    for name in PART_NAMES:
+        spec = part_spec(name, specs.get(name), pretrained, key)
+        built[name] = build_part(name, spec, f"{key}.{name}") if isinstance(spec, dict) else spec
+    return built
+
+
+def part_spec(name: str, spec: Any, pretrained: str | None, key: str = "model.params") -> Any:
+    """The spec of one part: as given, or by default the `name` subfolder of `pretrained`."""
+    if spec is not None:
+        return spec
+    if pretrained is None:
+        raise ConfigError(f"{key}.{name}: missing; give `{key}.pretrained: PATH` or `{key}.{name}.config`")
+    return {"pretrained": pretrained, "subfolder": name}
+
+
+def part_folder(spec: dict) -> Path:
+    """The folder a `{pretrained, subfolder}` spec points at."""
+    folder = Path(spec["pretrained"]).expanduser()
+    return folder / spec["subfolder"] if spec.get("subfolder") else folder
+
+
+def module_from_config(cls: type, config: dict) -> torch.nn.Module:
+    """A network with fresh weights from its config: a transformers model through its `config_class`."""
+    if hasattr(cls, "config_class") and not hasattr(cls, "from_config"):
+        return cls(cls.config_class(**{k: v for k, v in config.items() if not k.startswith("_")}))
+    return cls.from_config(config)
+
+
+def build_part(name: str, spec: dict, key: str) -> Any:
+    """Build one part from a `PartSpec`; errors name `key` and the path that was read."""
+    cls = import_target(spec.get("target", DEFAULT_CLASSES[name]), f"{key}.target")
+    if ("pretrained" in spec) == ("config" in spec):
+        raise ConfigError(f"{key}: give exactly one of `pretrained` (a local folder) or `config`")
+    if "config" in spec:
+        return _from_config(name, cls, dict(spec["config"]), key)
+    source = part_folder(spec)
+    if not source.is_dir():
+        raise ConfigError(f"{key}: no folder {source} (from {key}.pretrained); expected a diffusers-format folder")
+    try:
+        if name == "scheduler":
+            return cls.from_config(cls.load_config(source))
+        return cls.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}: cannot load {cls.__name__} from {source}: {' '.join(str(err).split())}") from None
+
+
+def _from_config(name: str, cls: type, config: dict, key: str) -> Any:
+    if name == "tokenizer":
+        return _tokenizer_from_config(cls, config, key)
+    is_transformers_model = hasattr(cls, "config_class") and not hasattr(cls, "from_config")
+    _check_keys(config, inspect.signature((cls.config_class if is_transformers_model else cls).__init__), key)
+    return module_from_config(cls, config)
+
+
+def _check_keys(config: dict, sig: inspect.Signature, key: str) -> None:
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) and len(sig.parameters) <= 3:
+        return
+    valid = [n for n in sig.parameters if n not in ("self", "kwargs")]
+    for k in config:
+        if k not in valid and not k.startswith("_"):
+            raise ConfigError(f"{key}.config.{k}: unknown key; valid: {', '.join(valid)}")
+
+
+def _tokenizer_from_config(cls: type, config: dict, key: str) -> Any:
+    vocab = config.get("vocab", "clip")
+    if vocab != "clip":
+        raise ConfigError(f"{key}.config.vocab: got {vocab!r}; valid: 'clip'")
+    unknown = set(config) - {"vocab", "model_max_length"}
+    if unknown:
+        raise ConfigError(f"{key}.config.{sorted(unknown)[0]}: unknown key; valid: vocab, model_max_length")
+    with tempfile.TemporaryDirectory() as tmp:
+        write_clip_tokenizer(tmp, model_max_length=int(config.get("model_max_length", 77)))
+        return cls.from_pretrained(tmp, local_files_only=True)

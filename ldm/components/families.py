@@ -1,0 +1,84 @@
+"""The model families ldm knows, in one table: architecture configs, tokenizer, prediction type.
+
+A family's architecture ships in `configs/models/<name>/` (configs only, no weights); the original
+inference YAML other tools read is in `configs/models/original/`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ldm.components import Parts
+from ldm.components.build import DEFAULT_CLASSES
+from ldm.components.tokenizers import write_clip_tokenizer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A released model family: its architecture configs, tokenizer and prediction type."""
+
+    name: str
+    title: str
+    text_layout: str  # "clip" (OpenAI CLIP, SD 1.x) or "open_clip" (OpenCLIP ViT-H, SD 2.x)
+    pad_token: str
+    original_config: str  # the original inference YAML, in configs/models/original/
+
+    @property
+    def folder(self) -> Path:
+        return CONFIGS / self.name
+
+    @property
+    def prediction_type(self) -> str:
+        return json.loads((self.folder / "scheduler" / "scheduler_config.json").read_text())["prediction_type"]
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("sd15", "Stable Diffusion 1.x", "clip", "<|endoftext|>", "v1-inference.yaml"),
+        Family("sd2-base", "Stable Diffusion 2.x 512-base", "open_clip", "!", "v2-inference.yaml"),
+        Family("sd2-768-v", "Stable Diffusion 2.x 768-v", "open_clip", "!", "v2-inference-v.yaml"),
+    )
+}
+FamilyName = Literal[tuple(FAMILIES)]  # for signatures: config checks then list exactly the families above
+
+
+def family_of(parts: Parts) -> Family | None:
+    """The released family whose architecture and prediction type `parts` have, or None (a custom model)."""
+    for family in FAMILIES.values():
+        unet = json.loads((family.folder / "unet" / "config.json").read_text())
+        text = json.loads((family.folder / "text_encoder" / "config.json").read_text())
+        same_unet = all(_same(parts.unet.config.get(k), v) for k, v in unet.items() if not k.startswith("_"))
+        same_text = all(
+            getattr(parts.text_encoder.config, k) == text[k]
+            for k in ("hidden_size", "num_hidden_layers", "intermediate_size")
+        )
+        prediction = parts.scheduler.config.get("prediction_type", "epsilon")
+        if same_unet and same_text and prediction == family.prediction_type:
+            return family
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+
+def family_description(family: Family) -> dict:
+    """A family's parts in `describe_parts` form, from the configs shipped in `configs/models/<family>/`."""
+    described = {}
+    for name in ("unet", "vae", "text_encoder"):
+        config = json.loads((family.folder / name / "config.json").read_text())
+        described[name] = {"class": DEFAULT_CLASSES[name], "config": config}
+    scheduler = json.loads((family.folder / "scheduler" / "scheduler_config.json").read_text())
+    described["scheduler"] = {"class": f"diffusers.{scheduler['_class_name']}", "config": scheduler}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_clip_tokenizer(tmp, pad_token=family.pad_token)
+        files = {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
+    described["tokenizer"] = {"class": DEFAULT_CLASSES["tokenizer"], "files": files}
+    return described

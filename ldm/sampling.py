@@ -1,0 +1,89 @@
+"""Sample from parts through a diffusers `StableDiffusionPipeline`, and lay images out in grids."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import StableDiffusionPipeline
+from PIL import Image, ImageDraw
+
+from ldm.components import Parts
+
+SAMPLERS = {
+    "ddim": "DDIMScheduler",
+    "dpm++": "DPMSolverMultistepScheduler",
+    "euler": "EulerDiscreteScheduler",
+    "euler_a": "EulerAncestralDiscreteScheduler",
+    "pndm": "PNDMScheduler",
+    "ddpm": "DDPMScheduler",
+}
+
+
+def inference_scheduler(training_scheduler, sampler: str = "ddim"):
+    """A sampling scheduler sharing the training noise schedule and prediction type."""
+    import diffusers
+
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    config = {k: v for k, v in training_scheduler.config.items() if k != "_use_default_values"}
+    config["clip_sample"] = False  # latents are not bounded in [-1, 1]
+    return getattr(diffusers, SAMPLERS[sampler]).from_config(config)
+
+
+def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeline:
+    """A `StableDiffusionPipeline` over `parts` (shared, not copied), without a safety checker."""
+    return StableDiffusionPipeline(
+        vae=parts.vae,
+        text_encoder=parts.text_encoder,
+        tokenizer=parts.tokenizer,
+        unet=parts.unet,
+        scheduler=inference_scheduler(parts.scheduler, sampler),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def image_grid(images: list[Image.Image], rows: int, labels: list[str] | None = None) -> Image.Image:
+    """Images in a grid of `rows` rows, with an optional text label to the left of each row."""
+    cols = -(-len(images) // rows)
+    w, h = images[0].size
+    label_w = 0
+    if labels:
+        probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+        label_w = max(int(probe.textlength(label)) for label in labels) + 8
+    grid = Image.new("RGB", (label_w + cols * w, rows * h), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, image in enumerate(images):
+        r, c = divmod(i, cols)
+        grid.paste(image.convert("RGB"), (label_w + c * w, r * h))
+    for r, label in enumerate(labels or []):
+        draw.text((4, r * h + h // 2 - 5), label, fill="black")
+    return grid
+
+
+@torch.no_grad()
+def sample(
+    pipe: StableDiffusionPipeline,
+    prompts: list[str],
+    num_per_prompt: int = 1,
+    steps: int = 25,
+    guidance_scale: float = 5.0,
+    seed: int = 0,
+    height: int | None = None,
+    width: int | None = None,
+) -> list[Image.Image]:
+    """Generate `num_per_prompt` images for each prompt, prompt-major, reproducibly from `seed`."""
+    images = []
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator(device="cpu").manual_seed(seed + i)
+        out = pipe(
+            prompt,
+            num_images_per_prompt=num_per_prompt,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=generator,
+            height=height,
+            width=width,
+        )
+        images.extend(out.images)
+    return images

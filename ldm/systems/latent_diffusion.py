@@ -1,0 +1,214 @@
+"""`LatentDiffusion`: the training system for latent text-to-image diffusion (Rombach et al. 2022).
+
+The system receives its parts built for it (`ldm.training.model` builds them from a config) and
+knows them by role: the denoiser (behind the call of `ldm.backbones`), the VAE, the text encoder
+and tokenizer, the noise schedule. The math is `ldm.diffusion`; side concerns are callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ldm import diffusion
+from ldm.backbones import as_denoiser
+from ldm.components import Parts
+from ldm.components.describe import describe_parts
+from ldm.components.lora import is_lora_key
+from ldm.config import ConfigError, import_target
+
+log = logging.getLogger(__name__)
+
+# Skipping more non-finite losses than this in a row means the weights or data are broken: stop.
+MAX_SKIPS_IN_A_ROW = 10
+
+
+@dataclass
+class Optimization:
+    """How the trained weights are optimized: the optimizer (a `{target, params}` node) and its LR schedule."""
+
+    learning_rate: float = 1e-4
+    optimizer: dict = field(default_factory=lambda: {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}})
+    lr_schedule: str = "constant"  # constant | linear | cosine, after lr_warmup_steps
+    lr_warmup_steps: int = 0
+
+
+class LatentDiffusion(pl.LightningModule):
+    """Train a denoiser (and optionally the text encoder) on VAE latents, conditioned on captions.
+
+    `parts` are the built parts, or a function that builds them: Lightning calls `configure_model`
+    inside `fit`, so weights then load once the Trainer and its strategy exist. Each network becomes
+    a submodule under its part name (`unet.…`, `vae.…` in the state dict); `denoiser` names the part
+    that denoises. `trainable` parts train; the others stay frozen, in eval mode. `lora` is the
+    adapter spec the parts were given, if any: checkpoints then hold the adapters only.
+    """
+
+    def __init__(
+        self,
+        parts: Parts | Callable[[], Parts],
+        trainable: Sequence[str] = ("unet",),
+        denoiser: str = "unet",
+        snr_gamma: float | None = None,
+        sample_latents: bool = True,
+        optimization: Optimization | None = None,
+        lora: dict | None = None,
+        nonfinite_loss: str = "skip",
+    ) -> None:
+        super().__init__()
+        self._build = parts if callable(parts) else (lambda: parts)
+        self.trainable, self.denoiser_name = tuple(dict.fromkeys(trainable)), denoiser
+        self.snr_gamma, self.sample_latents = snr_gamma, sample_latents
+        self.optimization = optimization or Optimization()
+        self.lora = dict(lora) if lora is not None else None
+        self.strict_loading = self.lora is None  # a LoRA checkpoint holds the adapters only
+        self.run_config: dict | None = None  # the resolved config, set by ldm.training.run and saved in checkpoints
+        self.nonfinite_loss, self.skipped_steps, self._skips_in_a_row = nonfinite_loss, 0, 0
+        self.stop_reason: str | None = None  # set when the guard stops the run; the checkpoint callback reports it
+        self._others: dict[str, Any] = {}  # parts without weights: tokenizer, scheduler
+        self._names: tuple[str, ...] = ()
+        if not callable(parts):
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        """Build the parts (once) and take them in."""
+        if self._names:
+            return
+        parts = self._build()
+        for name, part in parts.items():
+            if isinstance(part, torch.nn.Module):
+                setattr(self, name, part)
+            else:
+                self._others[name] = part
+        self._names = tuple(parts)
+        self.tokenizer, self.noise_scheduler = self._others["tokenizer"], self._others["scheduler"]
+        self.prediction_type = self.noise_scheduler.config.get("prediction_type", "epsilon")
+        # Not a buffer: ZeRO / Gemini cast every floating buffer to fp16, and the schedule must stay float32.
+        self.alphas_cumprod = torch.as_tensor(self.noise_scheduler.alphas_cumprod, dtype=torch.float32)
+
+    @property
+    def parts(self) -> Parts:
+        self.configure_model()
+        return Parts(
+            (name, self._others[name] if name in self._others else getattr(self, name)) for name in self._names
+        )
+
+    @property
+    def latent_scale(self) -> float:
+        return float(self.vae.config.scaling_factor)
+
+    def train(self, mode: bool = True) -> LatentDiffusion:
+        """Switch to train mode, keeping frozen parts in eval mode."""
+        super().train(mode)
+        for name in self._names:
+            if name not in self.trainable and name not in self._others:
+                getattr(self, name).eval()
+        return self
+
+    @torch.no_grad()
+    def encode_posterior(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Images in [-1, 1] to the VAE posterior's mean and standard deviation, both times the VAE's
+        scaling factor. Training draws a latent from them every step; the deviation is None when
+        `sample_latents` is off, and training then uses the mean."""
+        self.configure_model()  # a latent cache encodes in the data's setup, before Lightning builds the model
+        posterior = self.vae.encode(pixel_values.to(self.device, self.vae.dtype)).latent_dist
+        std = posterior.std * self.latent_scale if self.sample_latents else None
+        return posterior.mean * self.latent_scale, std
+
+    def encode_text(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Captions to the denoiser's conditioning: the text encoder's last hidden states, padded to the
+        tokenizer's length, as `encoder_hidden_states`."""
+        ids = self.tokenizer(
+            list(captions),
+            padding="max_length",
+            max_length=self.tokenizer.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids.to(self.device)
+        with torch.set_grad_enabled("text_encoder" in self.trainable and self.training):
+            return {"encoder_hidden_states": self.text_encoder(ids)[0]}
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
+        loss = self.loss(batch)
+        if not self._loss_is_finite(loss):
+            return None  # Lightning skips backward and the optimizer step
+        if self._trainer is not None:
+            self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["caption"]))
+        return loss
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The diffusion loss of one batch: latents (encoded now, or cached), conditioning, the objective."""
+        if "latents" in batch:  # encoded once (cache_latents): the posterior's mean, and its deviation if kept
+            mean, std = batch["latents"], batch.get("latent_std") if self.sample_latents else None
+        else:
+            mean, std = self.encode_posterior(batch["pixel_values"])
+        module = getattr(self, self.denoiser_name)
+        dtype = next(module.parameters()).dtype
+        latents = diffusion.sample_posterior(mean, std).to(dtype)
+        cond = batch["cond"] if "cond" in batch else self.encode_text(batch["caption"])
+        cond = {k: v.to(dtype) for k, v in cond.items()}
+        if self.alphas_cumprod.device != latents.device:
+            self.alphas_cumprod = self.alphas_cumprod.to(latents.device)
+        return diffusion.ddpm_loss(
+            as_denoiser(module), latents, cond, self.alphas_cumprod, self.prediction_type, self.snr_gamma
+        )
+
+    def _loss_is_finite(self, loss: torch.Tensor) -> bool:
+        """Guard against NaN/inf losses, on every rank at once: skip the step's update, or stop the run
+        (`nonfinite_loss`); a run of `MAX_SKIPS_IN_A_ROW` skipped steps stops it too."""
+        finite = bool(torch.isfinite(loss))
+        if self._trainer is not None:
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if finite:
+            self._skips_in_a_row = 0
+            return True
+        step, value = self.global_step + 1, float(loss.detach())
+        self.skipped_steps += 1
+        self._skips_in_a_row += 1
+        setting = f"model.params.nonfinite_loss: {self.nonfinite_loss}"
+        if self.nonfinite_loss == "stop" or self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
+            why = setting if self.nonfinite_loss == "stop" else f"{MAX_SKIPS_IN_A_ROW} steps in a row skipped"
+            self.stop_reason = f"non-finite loss ({value}) at step {step} ({why})"
+            if self._trainer is not None:
+                self.trainer.should_stop = True
+            log.error("step %d: loss is %s; stopping with the weights from before this step", step, value)
+        else:
+            log.warning(
+                "step %d: loss is %s; skipped this step's update (%s; %d skipped so far)",
+                step,
+                value,
+                setting,
+                self.skipped_steps,
+            )
+        return False
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for name in self.trainable for p in getattr(self, name).parameters() if p.requires_grad]
+
+    def configure_optimizers(self) -> dict:
+        from diffusers.optimization import get_scheduler
+
+        opt = self.optimization
+        spec = opt.optimizer
+        optimizer_cls = import_target(spec["target"], "model.params.optimizer.target")
+        try:
+            optimizer = optimizer_cls(self.trained_parameters(), lr=opt.learning_rate, **(spec.get("params") or {}))
+        except ValueError as err:  # e.g. betas out of range
+            raise ConfigError(f"model.params.optimizer.params: {spec['target']} rejects them: {err}") from None
+        total = self.trainer.estimated_stepping_batches if opt.lr_schedule != "constant" else None
+        name = "constant_with_warmup" if opt.lr_schedule == "constant" else opt.lr_schedule
+        schedule = get_scheduler(
+            name, optimizer, num_warmup_steps=opt.lr_warmup_steps, num_training_steps=int(total or 0)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the resolved config and every part's own config, so a checkpoint is self-contained."""
+        checkpoint["ldm"] = {"config": self.run_config, "parts": describe_parts(self.parts)}
+        if self.lora is not None:
+            checkpoint["ldm"]["lora"] = {"spec": self.lora, "trainable": list(self.trainable)}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_lora_key(k)}

@@ -1,0 +1,68 @@
+"""Sample fixed prompts every N steps; write PNG grids to the run folder and to TensorBoard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+
+from ldm.sampling import build_pipeline, image_grid, sample
+
+
+class ImageLogger(pl.Callback):
+    """Generate `prompts` with the model being trained every `every_n_steps` optimizer steps."""
+
+    def __init__(
+        self,
+        prompts: list[str],
+        every_n_steps: int = 500,
+        num_per_prompt: int = 4,
+        num_inference_steps: int = 25,
+        guidance_scale: float = 5.0,
+        sampler: str = "ddim",
+        seed: int = 0,
+        at_end: bool = True,
+    ) -> None:
+        if not prompts:
+            raise ValueError("prompts: must list at least one prompt")
+        self.prompts, self.every_n_steps, self.num_per_prompt = list(prompts), every_n_steps, num_per_prompt
+        self.num_inference_steps, self.guidance_scale = num_inference_steps, guidance_scale
+        self.sampler, self.seed, self.at_end = sampler, seed, at_end
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
+        step = trainer.global_step
+        if step and step != self._last_step and step % self.every_n_steps == 0:
+            self._last_step = step
+            self.log_samples(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_end and trainer.global_step != self._last_step:
+            self.log_samples(trainer, pl_module)
+
+    @rank_zero_only
+    @torch.no_grad()
+    def log_samples(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path:
+        """Sample the prompts, save `images/step_NNNNNN.png`, and add the grid to TensorBoard."""
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            pipe = build_pipeline(pl_module.parts, self.sampler)
+            pipe.set_progress_bar_config(disable=True)
+            images = sample(
+                pipe, self.prompts, self.num_per_prompt, self.num_inference_steps, self.guidance_scale, self.seed
+            )
+        finally:
+            pl_module.train(was_training)
+        grid = image_grid(images, rows=len(self.prompts), labels=self.prompts)
+        path = Path(trainer.default_root_dir) / "images" / f"step_{trainer.global_step:06d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        grid.save(path)
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_image"):
+                experiment.add_image("samples", np.asarray(grid), trainer.global_step, dataformats="HWC")
+        return path

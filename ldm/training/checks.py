@@ -1,0 +1,123 @@
+"""The rules of a training config: its sections, the Lightning keys, and what each part asks of the others.
+
+`ldm.config` checks any `{target, params}` node against its target's signature; this module knows
+what a training config holds (`model`, `data`, `lightning`), translates targets that moved and the
+strategy blocks of older Colossal-AI configs, and runs the whole-config checks that strategies and
+optimizers declare (`check_run_config`), so that a combination they cannot train fails at load time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+
+from lightning.pytorch import LightningDataModule, Trainer
+from omegaconf import DictConfig, ListConfig
+
+from ldm.config import ConfigError, Sources, check_params, check_target_node, fail, import_target, signature
+from ldm.training.callbacks.checkpoints import Checkpoints
+from ldm.training.strategies.legacy import LEGACY_TARGETS, translate_legacy_strategy
+
+log = logging.getLogger(__name__)
+
+TOP_LEVEL_KEYS = ("model", "data", "lightning")
+LIGHTNING_KEYS = ("trainer", "callbacks", "modelcheckpoint")
+# Targets that moved when the package was laid out in floors (0.2): old configs keep working, with a notice.
+MOVED_TARGETS = {
+    "ldm.strategies.ColossalAIStrategy": "ldm.training.strategies.ColossalAIStrategy",
+    "ldm.strategies.HybridAdam": "ldm.training.strategies.HybridAdam",
+    "ldm.strategies.CPUAdam": "ldm.training.strategies.CPUAdam",
+    "ldm.callbacks.ema.EMA": "ldm.training.callbacks.ema.EMA",
+    "ldm.callbacks.image_logger.ImageLogger": "ldm.training.callbacks.image_logger.ImageLogger",
+    "ldm.callbacks.throughput.Throughput": "ldm.training.callbacks.throughput.Throughput",
+    "ldm.optim.LowMemoryAdamW": "ldm.training.optim.LowMemoryAdamW",
+    "ldm.models.autoencoder.AutoencoderTraining": "ldm.systems.autoencoder.AutoencoderTraining",
+    "ldm.data.digits.DigitsDataset": "examples.digits.data.DigitsDataset",
+}
+
+
+def translate_moved_targets(node: DictConfig | ListConfig, key: str = "") -> None:
+    """Rewrite, in place, every `target` that names a moved class by its new path, saying so once each."""
+    items = node.items() if isinstance(node, DictConfig) else enumerate(node) if isinstance(node, ListConfig) else ()
+    for name, value in list(items):
+        where = f"{key}.{name}" if key and isinstance(name, str) else f"{key}[{name}]" if key else str(name)
+        if name == "target" and isinstance(value, str) and value in MOVED_TARGETS:
+            node[name] = MOVED_TARGETS[value]
+            log.info("%s: %s moved to %s; translated (write the new path to silence this)", where, value, node[name])
+        elif isinstance(value, (DictConfig, ListConfig)):
+            translate_moved_targets(value, where)
+
+
+def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
+    """Check the whole config before anything is built; raise one `ConfigError` naming the key."""
+    sources = sources or Sources()
+    translate_moved_targets(cfg)
+    for key in cfg:
+        if key not in TOP_LEVEL_KEYS:
+            fail(sources, str(key), f"unknown section; valid sections: {', '.join(TOP_LEVEL_KEYS)}")
+    for section in ("model", "data"):
+        if section not in cfg:
+            raise ConfigError(f"{section}: missing section; every config needs `{section}: {{target, params}}`")
+        if section == "data" and isinstance(cfg.data, Mapping) and "target" in cfg.data:
+            _check_datamodule(cfg.data.target, sources)
+        check_target_node(cfg[section], section, sources)
+    lightning = cfg.get("lightning") or {}
+    if not isinstance(lightning, Mapping):
+        fail(sources, "lightning", "must be a mapping")
+    for key in lightning:
+        if key not in LIGHTNING_KEYS:
+            fail(sources, f"lightning.{key}", f"unknown key; valid keys: {', '.join(LIGHTNING_KEYS)}")
+    trainer = lightning.get("trainer") or {}
+    check_params(trainer, _trainer_signature(), "lightning.trainer", sources, skip=("strategy",))
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, Mapping):
+        if strategy.get("target") in LEGACY_TARGETS:  # configs written for Lightning 1.x's ColossalAIStrategy
+            cfg.lightning.trainer.strategy = translate_legacy_strategy(strategy)
+            strategy = cfg.lightning.trainer.strategy
+        check_target_node(strategy, "lightning.trainer.strategy", sources)
+        check_whole = getattr(import_target(strategy["target"]), "check_run_config", None)
+        if check_whole is not None:  # combinations a strategy cannot train, e.g. an optimizer it cannot drive
+            check_whole(cfg, sources)
+    callbacks = lightning.get("callbacks") or {}
+    if not isinstance(callbacks, Mapping):
+        fail(sources, "lightning.callbacks", "must be a mapping of name: {target, params}")
+    for name, node in callbacks.items():
+        if node is not None:  # `lightning.callbacks.NAME=null` switches off a callback a base config adds
+            check_target_node(node, f"lightning.callbacks.{name}", sources)
+    checkpoint = lightning.get("modelcheckpoint") or {}
+    for k in checkpoint:
+        if k != "params":
+            fail(sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (every_n_train_steps, keep)")
+    check_params(
+        checkpoint.get("params") or {},
+        signature(Checkpoints),
+        "lightning.modelcheckpoint.params",
+        sources,
+        skip=("dirpath",),
+        supplied=("dirpath",),
+    )
+    if lightning.get("logger") is not None:
+        fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
+    optimizer = (cfg.model.get("params") or {}).get("optimizer")
+    if isinstance(optimizer, Mapping):
+        check_whole = getattr(
+            import_target(optimizer["target"], "model.params.optimizer.target", sources), "check_run_config", None
+        )
+        if check_whole is not None:  # training settings an optimizer cannot honour, e.g. clipping with a fused step
+            check_whole(cfg, sources)
+
+
+def _check_datamodule(target: str, sources: Sources) -> None:
+    cls = import_target(target, "data.target", sources)
+    if not (isinstance(cls, type) and issubclass(cls, LightningDataModule)):
+        fail(
+            sources,
+            "data.target",
+            f"{target} is not a LightningDataModule; put a Dataset under "
+            "data.params.dataset and set data.target: ldm.data.DataModule",
+        )
+
+
+def _trainer_signature() -> inspect.Signature:
+    return inspect.signature(Trainer.__init__)

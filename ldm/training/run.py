@@ -1,0 +1,230 @@
+"""Assemble and run training from a config: the run folder, model, data, callbacks, loggers, Trainer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+
+from ldm.config import ConfigError, Sources, instantiate, load_config, rejected, to_plain
+from ldm.data import DataModule
+from ldm.training.callbacks.checkpoints import LAST, Checkpoints, saved_steps
+from ldm.training.callbacks.throughput import Throughput
+from ldm.training.checkpoint_io import CheckpointError, StreamingCheckpointIO
+from ldm.training.checks import check_config
+from ldm.training.launch import agree_on_run_dir
+from ldm.utils.atomic import verify
+from ldm.utils.run_folder import RUN_DIR_ENV
+from ldm.weights.checkpoint import unpickled_object
+from ldm.weights.formats import Format, detect
+
+log = logging.getLogger("ldm")
+
+# What code built from a config raises for a value it rejects: each becomes a one-line config error.
+REJECTIONS = (ValueError, MisconfigurationException)
+
+
+class RunStopped(Exception):
+    """Training stopped early, by a stop signal or the non-finite loss guard, after saving a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Resume:
+    """Where a resumed run lives and which checkpoint it continues from."""
+
+    run_dir: Path
+    ckpt: Path
+
+
+def find_resume(resume: str, logdir: Path, name: str | None) -> Resume | None:
+    """Resolve `-r PATH|auto`: a checkpoint, a run folder (its newest intact checkpoint), or, for `auto`,
+    the newest intact checkpoint of the newest run named `name` in `logdir` that has one."""
+    if resume == "auto":
+        if not name:
+            raise ConfigError("-r auto needs -n NAME to know which run to continue")
+        for run_dir in sorted(logdir.glob(f"*_{name}"), reverse=True):
+            found = _newest_intact(run_dir, "-r auto")
+            if found is not None:
+                return found
+        log.info("-r auto: no run named %r with an intact checkpoint in %s; starting a new run", name, logdir)
+        return None
+    path = Path(resume)
+    if detect(path) in (Format.FILE, Format.COLOSSAL):
+        problem = verify(path)
+        if problem:
+            raise ConfigError(f"-r {resume}: {problem}; -r auto -n NAME picks the newest intact checkpoint instead")
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return Resume(run_dir, path)
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        found = _newest_intact(path, f"-r {resume}")
+        if found is not None:
+            return found
+    raise ConfigError(f"-r {resume}: neither a checkpoint nor a run folder with an intact checkpoint in checkpoints/")
+
+
+def _newest_intact(run_dir: Path, flag: str) -> Resume | None:
+    """The newest step checkpoint of a run whose checksum holds (skipping, and saying so, any that
+    do not), or the `last.ckpt` of a run written before step checkpoints existed."""
+    folder = run_dir / "checkpoints"
+    candidates = [path for _, path in saved_steps(folder)]
+    legacy = folder / LAST
+    if legacy.exists() and not legacy.is_symlink():
+        candidates.append(legacy)
+    for ckpt in candidates:
+        problem = verify(ckpt)
+        if problem:
+            log.warning("%s: skipping %s: %s", flag, ckpt, problem)
+            continue
+        log.info("%s: resuming %s", flag, ckpt)
+        return Resume(run_dir, ckpt)
+    return None
+
+
+def prepare_config(bases: list[str], overrides: list[str], resume: Resume | None) -> tuple[DictConfig, Sources]:
+    """Load and check the config: `-b` files (or the resumed run's saved config), then overrides."""
+    if not bases:
+        if resume is None:
+            raise ConfigError("no config: pass -b CONFIG.yaml (or -r to continue a run)")
+        bases = [str(resume.run_dir / "configs" / "project.yaml")]
+    cfg, sources = load_config(bases, overrides)
+    check_config(cfg, sources)
+    return cfg, sources
+
+
+def auto_precision() -> str:
+    """Mixed precision where the hardware has it: bf16 or fp16 on CUDA, full precision on a CPU."""
+    if torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.Trainer:
+    """A Trainer with checkpoints, TensorBoard + CSV logs and the configured callbacks."""
+
+    lightning_cfg = cfg.get("lightning") or OmegaConf.create()
+    trainer_kwargs = to_plain(lightning_cfg.get("trainer") or {})
+    strategy = trainer_kwargs.get("strategy")
+    if isinstance(strategy, dict):
+        trainer_kwargs["strategy"] = instantiate(strategy, "lightning.trainer.strategy", REJECTIONS)
+    trainer_kwargs.setdefault("precision", auto_precision())
+    trainer_kwargs.setdefault("use_distributed_sampler", not uses_our_sampler)
+    checkpoint_params = to_plain((lightning_cfg.get("modelcheckpoint") or {}).get("params") or {})
+    callbacks = [
+        Throughput(),
+        Checkpoints(run_dir / "checkpoints", **checkpoint_params),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    for name, node in (lightning_cfg.get("callbacks") or {}).items():
+        if node is not None:
+            callbacks.append(instantiate(node, f"lightning.callbacks.{name}", REJECTIONS))
+    loggers = [
+        TensorBoardLogger(run_dir, name="", version="tensorboard"),
+        CSVLogger(run_dir, name="csv", version=time.strftime("%Y-%m-%dT%H-%M-%S")),  # one file per launch
+    ]
+    plugins = [*(trainer_kwargs.pop("plugins", None) or []), StreamingCheckpointIO()]
+    try:
+        return pl.Trainer(
+            default_root_dir=run_dir, callbacks=callbacks, logger=loggers, plugins=plugins, **trainer_kwargs
+        )
+    except (ValueError, MisconfigurationException) as err:  # e.g. an unknown strategy name, no GPU for gpu
+        raise rejected("lightning.trainer", err) from None
+
+
+LOGGERS = ("ldm", "lightning.pytorch")
+
+
+def _log_to_file(run_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in LOGGERS:
+        logging.getLogger(name).addHandler(handler)
+    if logging.getLogger("ldm").level == logging.NOTSET:
+        logging.getLogger("ldm").setLevel(logging.INFO)  # the run log holds our INFO lines, as Lightning's
+    return handler
+
+
+def train(
+    bases: list[str],
+    overrides: list[str] = (),
+    logdir: str | Path = "logs",
+    name: str | None = None,
+    seed: int = 23,
+    resume: str | None = None,
+) -> Path:
+    """Train from configs; returns the run folder, which holds `checkpoints/last.ckpt`."""
+    logdir = Path(logdir)
+    resumed = find_resume(resume, logdir, name) if resume else None
+    cfg, _ = prepare_config(list(bases), list(overrides), resumed)
+    if resumed:
+        run_dir = resumed.run_dir
+    else:  # the first rank names the folder; the others (torchrun, SLURM, Lightning's launcher) receive it
+        name = name or Path(bases[0]).stem
+        run_dir = agree_on_run_dir(lambda: logdir / f"{time.strftime('%Y-%m-%dT%H-%M-%S')}_{name}")
+    (run_dir / "configs").mkdir(parents=True, exist_ok=True)
+    handler = _log_to_file(run_dir)
+    inherited = RUN_DIR_ENV in os.environ
+    os.environ[RUN_DIR_ENV] = str(run_dir)  # the processes Lightning starts for the other ranks inherit it
+    try:
+        checkpoints = _fit(cfg, run_dir, seed, resumed)
+    finally:  # a second run in the same process must not write into this run's folder or log
+        if not inherited:
+            del os.environ[RUN_DIR_ENV]
+        for name in LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
+        handler.close()
+    if checkpoints.signal is not None:
+        raise RunStopped(
+            f"stopped by {checkpoints.stopped_by}; saved {checkpoints.last_saved}; continue with -r auto",
+            128 + checkpoints.signal,
+        )
+    if checkpoints.stopped_by not in (None, "trainer.should_stop"):
+        raise RunStopped(f"stopped: {checkpoints.stopped_by}; saved {checkpoints.last_saved}", 1)
+    return run_dir
+
+
+def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> Checkpoints:
+    pl.seed_everything(seed, workers=True)
+    model = instantiate(cfg.model, "model", REJECTIONS)
+    model.run_config = to_plain(cfg)
+    datamodule = instantiate(cfg.data, "data", REJECTIONS)
+    trainer = build_trainer(cfg, run_dir, uses_our_sampler=isinstance(datamodule, DataModule))
+    if resumed and detect(resumed.ckpt) is Format.COLOSSAL and not hasattr(trainer.strategy, "booster"):
+        raise ConfigError(
+            f"-r {resumed.ckpt}: a ColossalAIStrategy checkpoint folder; resume it with that strategy "
+            "(lightning.trainer.strategy), or export it with scripts/export_diffusers.py and fine-tune from there"
+        )
+    if trainer.is_global_zero:
+        OmegaConf.save(cfg, run_dir / "configs" / "project.yaml")
+        log.info("run folder: %s", run_dir)
+    with warnings.catch_warnings():
+        # Frozen parts (VAE, text encoder) are kept in eval mode on purpose; Lightning warns about it.
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+        # The non-finite loss guard returns None on purpose, and logs the step itself.
+        warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
+        # weights_only: resuming never runs code from the checkpoint (ours hold tensors and plain types only)
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None, weights_only=True)
+        except pickle.UnpicklingError as err:
+            if resumed is None:
+                raise
+            raise CheckpointError(
+                f"-r {resumed.ckpt}: refused: resuming would unpickle {unpickled_object(err)}, which can run code. "
+                "main.py writes tensors and plain values only, so this checkpoint was changed after it was saved; "
+                "resume from one you trust"
+            ) from None
+    return trainer.checkpoint_callback

@@ -1,0 +1,47 @@
+"""Write parts as a diffusers pipeline folder that loads the same under transformers 4.51 and 5."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ldm.components import Parts
+from ldm.components.tokenizers import write_both_tokenizer_forms
+from ldm.sampling import build_pipeline
+from ldm.utils.atomic import atomic_path
+from ldm.weights import text_model
+
+
+def write_pipeline(parts: Parts, out_dir: str | Path, sampler: str = "ddim", half: bool = False) -> Path:
+    """Write parts as a diffusers `StableDiffusionPipeline` folder that loads under transformers 4.51 and 5."""
+    pipe = build_pipeline(parts, sampler)
+    if half:
+        for module in (pipe.unet, pipe.vae, pipe.text_encoder):
+            module.half()
+    out_dir = Path(out_dir)
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    return make_portable(out_dir)
+
+
+def make_portable(folder: str | Path) -> Path:
+    """Make a diffusers SD folder load the same under transformers 4.51 and 5.
+
+    transformers >= 5.6 writes the CLIP text encoder's weights without their `text_model.` prefix
+    and the tokenizer as `tokenizer.json` only; transformers 4.51 then leaves the text encoder
+    silently random and cannot build the tokenizer. Both versions read the older weight layout, so
+    this restores the prefix (`ldm.weights.text_model`); and it writes both tokenizer forms, each
+    made from the other.
+    """
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
+    for weights in sorted((folder / "text_encoder").glob("*.safetensors")):
+        state = load_file(str(weights))
+        if "CLIPTextModel" in config.get("architectures", []) and not all(
+            k.startswith(text_model.PREFIX) for k in state
+        ):
+            with atomic_path(weights) as partial:
+                save_file(text_model.with_prefix(state), str(partial), metadata={"format": "pt"})
+    write_both_tokenizer_forms(folder / "tokenizer")
+    return folder

@@ -1,0 +1,135 @@
+"""Read parts from any weights format: a diffusers folder, one of our checkpoints, an original single file.
+
+The format is detected by `ldm.weights.formats.detect`; a file is one of our checkpoints when its
+content says so (whatever its name), else an original Stable Diffusion single file.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ldm.components import Parts
+from ldm.components.build import PART_NAMES, build_part, build_parts, part_spec
+from ldm.components.describe import parts_from_description
+from ldm.components.lora import add_lora, is_lora_key, merged
+from ldm.config import ConfigError
+from ldm.weights.checkpoint import load_checkpoint, load_pickle
+from ldm.weights.formats import PICKLE_SUFFIXES, Format, detect, is_our_checkpoint
+from ldm.weights.single_file import load_single_file, split_pickle
+from ldm.weights.text_model import as_module_names
+
+log = logging.getLogger(__name__)
+
+
+def read_parts(
+    src: str | Path,
+    ema: bool = False,
+    family: str | None = None,
+    trust_pickle: bool = False,
+    where: str = "--src",
+) -> Parts:
+    """Float32 parts from a diffusers folder, one of our checkpoints, or an original single file.
+
+    What was read (for a single file: the family and how it was told) is logged, after `where`."""
+    src = Path(src)
+    kind = detect(src)
+    if kind is Format.DIFFUSERS:
+        if ema or family:
+            raise ValueError(f"{src}: a diffusers folder holds one set of weights; drop --ema / --family")
+        try:
+            return build_parts(pretrained=str(src), key=where)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+    if kind is Format.COLOSSAL:
+        log.info("%s: %s: an ldm checkpoint folder", where, src)
+        return parts_from_checkpoint(load_checkpoint(src), ema)
+    if kind is not Format.FILE:
+        raise FileNotFoundError(f"no such file or folder: {src}" if kind is Format.MISSING else f"{src}: {kind.value}")
+    loaded = ()
+    if src.suffix in PICKLE_SUFFIXES:
+        obj = load_pickle(src, trust_pickle)
+        if is_our_checkpoint(obj):
+            if family:
+                raise ValueError(f"{src}: an ldm checkpoint knows its model; the family setting is for single files")
+            log.info("%s: %s: an ldm checkpoint (step %s)", where, src, obj.get("global_step"))
+            return parts_from_checkpoint(obj, ema)
+        loaded = split_pickle(obj, src)
+    parts, line = load_single_file(src, ema, family, loaded=loaded)
+    log.info("%s: %s", where, line)
+    return parts
+
+
+def load_pretrained(
+    pretrained: str | None = None,
+    key: str = "model.params",
+    pretrained_ema: bool = False,
+    pretrained_family: str | None = None,
+    **specs: Any,
+) -> Parts:
+    """Every part, as a config describes it: a module passes through, a spec is built, and a missing one
+    comes from `pretrained`, in any format `read_parts` reads; `pretrained_ema` and `pretrained_family`
+    apply to single files and our checkpoints."""
+    if pretrained is None or detect(pretrained) not in (Format.FILE, Format.COLOSSAL):
+        if pretrained_ema or pretrained_family:
+            option = "pretrained_ema" if pretrained_ema else "pretrained_family"
+            raise ConfigError(
+                f"{key}.{option}: applies to a single-file {key}.pretrained (.safetensors / .ckpt), not a folder"
+            )
+        return build_parts(pretrained, key, **specs)
+    try:
+        parts = read_parts(Path(pretrained).expanduser(), pretrained_ema, pretrained_family, where=f"{key}.pretrained")
+    except ValueError as err:
+        raise ConfigError(f"{key}.pretrained: {err}") from None
+    for name in PART_NAMES:
+        spec = specs.get(name)
+        if spec is not None:
+            spec = part_spec(name, spec, pretrained, key)
+            parts[name] = build_part(name, spec, f"{key}.{name}") if isinstance(spec, dict) else spec
+    return parts
+
+
+def parts_from_checkpoint(ckpt: dict, ema: bool = False, merge: bool = True) -> Parts:
+    """Rebuild the parts saved in a checkpoint, with its trained weights (or its EMA weights).
+
+    A LoRA checkpoint holds the adapters only: its base weights are read again from the run's
+    `model.params.pretrained`, and the adapters are merged into them unless `merge` is False."""
+    state = dict(ckpt["state_dict"])
+    if ema:
+        if not ckpt.get("ema_state_dict"):
+            raise ValueError("this checkpoint has no EMA weights; train with the EMA callback or drop --ema")
+        state.update(ckpt["ema_state_dict"])
+    if ckpt["ldm"].get("lora"):
+        return _parts_with_lora(ckpt, state, merge)
+    parts = parts_from_description(ckpt["ldm"]["parts"])
+    for name, module in parts.networks.items():
+        module.load_state_dict(as_module_names(_part_state(state, name), module), assign=True)
+        parts[name] = module.float().eval()  # parts trained or frozen in half precision come back as fp32
+    return parts
+
+
+def _part_state(state: dict, name: str) -> dict:
+    prefix = f"{name}."
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _parts_with_lora(ckpt: dict, state: dict, merge: bool) -> Parts:
+    params = (ckpt["ldm"].get("config") or {}).get("model", {}).get("params", {})
+    base = {k: v for k, v in params.items() if k in ("pretrained", "pretrained_ema", "pretrained_family", *PART_NAMES)}
+    try:
+        parts = load_pretrained(**base)
+    except ConfigError as err:
+        raise ValueError(f"a LoRA checkpoint needs its base weights, as trained: {err}") from None
+    lora = ckpt["ldm"]["lora"]
+    add_lora(parts, tuple(lora["trainable"]), lora["spec"])
+    for name in lora["trainable"]:
+        module = parts[name]
+        adapters = as_module_names({k: v for k, v in _part_state(state, name).items() if is_lora_key(k)}, module)
+        missing = [k for k in module.load_state_dict(adapters, strict=False).missing_keys if is_lora_key(k)]
+        if missing:
+            raise ValueError(f"LoRA checkpoint: no weights for {name}.{missing[0]} (and {len(missing) - 1} more)")
+        module.float().eval()
+        if merge:
+            parts[name] = merged(module)
+    return parts

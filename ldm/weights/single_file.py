@@ -1,0 +1,222 @@
+"""Original Stable Diffusion single files (the CompVis / Stability key layout), to and from our parts.
+
+A1111, ComfyUI and the original `ldm` code read one `.safetensors` / `.ckpt` holding the UNet under
+`model.diffusion_model.`, the VAE under `first_stage_model.` and the text encoder under
+`cond_stage_model.` (OpenAI CLIP for SD 1.x; OpenCLIP for SD 2.x, with fused q/k/v).
+
+The model family (`ldm.components.families`) decides the architecture configs, the tokenizer and
+the prediction type: a file is never paired with a prediction type guessed in a config. The key
+maps are in `ldm.weights.keymaps`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ldm.components import Parts
+from ldm.components.describe import describe_parts, parts_from_description
+from ldm.components.families import FAMILIES, Family, family_description, family_of
+from ldm.utils.atomic import atomic_path
+from ldm.weights.checkpoint import load_pickle
+from ldm.weights.formats import PICKLE_SUFFIXES
+from ldm.weights.keymaps import CLIP, OPEN_CLIP, UNET, SingleFileError, is_vae_attention_weight, original_names
+
+EMA = "model_ema."
+METADATA_KEY = "ldm"  # safetensors metadata / pickle entry: JSON with family, layout and part configs
+# The global step of Stability's 512-base-ema.ckpt; diffusers keys SD 2 base off the same number.
+SD2_BASE_GLOBAL_STEP = 875000
+
+
+def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str, torch.Tensor]:
+    """The parts' weights as one original-layout state dict (fp16 with `half`, else as they are)."""
+    state = {
+        f"{part}.{k}": v
+        for part in ("unet", "vae", "text_encoder")
+        for k, v in getattr(parts, part).state_dict().items()
+    }
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, list] = {}
+    for ours, (original, slot) in original_names(parts, text_layout).items():
+        tensor = state[ours].detach()
+        if is_vae_attention_weight(original) and tensor.dim() == 2:
+            tensor = tensor[:, :, None, None]
+        if slot is None:
+            out[original] = tensor
+        else:
+            fused.setdefault(original, [None] * 3)[slot] = tensor
+    out.update({k: torch.cat(chunks) for k, chunks in fused.items()})
+    if text_layout == "open_clip":
+        # OpenCLIP's output projection, unused by SD 2.x (it conditions on hidden states) and so absent
+        # from CLIPTextModel; readers size the encoder from it, so it is written as the identity.
+        width = parts.text_encoder.config.hidden_size
+        out[OPEN_CLIP + "text_projection"] = torch.eye(width, dtype=out[OPEN_CLIP + "ln_final.weight"].dtype)
+    dtype = torch.float16 if half else None
+    return {k: v.to(dtype=dtype or v.dtype).contiguous() for k, v in out.items()}
+
+
+def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_layout: str | None = None) -> Path:
+    """Write `parts` as an original Stable Diffusion single file: `.safetensors` (default) or `.ckpt`.
+
+    The file carries our part configs as metadata, so it reads back exactly, architecture and all.
+    """
+    family = family_of(parts)
+    layout = text_layout or (family.text_layout if family else "clip")
+    state = to_original(parts, layout, half)
+    meta = {
+        "family": family.name if family else "custom",
+        "text_layout": layout,
+        "prediction_type": parts.scheduler.config.get("prediction_type", "epsilon"),
+        "parts": describe_parts(parts),
+    }
+    path = Path(path)
+    if path.suffix != ".safetensors" and path.suffix not in PICKLE_SUFFIXES:
+        raise SingleFileError(f"{path}: a single file ends in .safetensors (recommended) or .ckpt")
+    with atomic_path(path) as partial:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file(state, str(partial), metadata={"format": "pt", METADATA_KEY: json.dumps(meta)})
+        else:
+            torch.save({"state_dict": state, METADATA_KEY: meta}, partial)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def read_single_file(path: str | Path, trust_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict, Any]:
+    """(state dict, our metadata or {}, global_step or None) of a single file, without running code from it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file, safe_open
+
+        try:
+            with safe_open(str(path), "pt") as handle:
+                metadata = handle.metadata() or {}
+            state = load_file(str(path))
+        except (SafetensorError, OSError) as err:
+            raise SingleFileError(f"{path}: not a readable safetensors file ({err})") from None
+        return state, json.loads(metadata.get(METADATA_KEY, "{}")), None
+    if path.suffix not in PICKLE_SUFFIXES:
+        raise SingleFileError(f"{path}: expected a .safetensors or .ckpt file")
+    try:
+        return split_pickle(load_pickle(path, trust_pickle), path)
+    except ValueError as err:
+        raise SingleFileError(str(err)) from None
+
+
+def split_pickle(obj: Any, path: Path) -> tuple[dict[str, torch.Tensor], dict, Any]:
+    """(state dict, our metadata or {}, global_step or None) of a loaded pickle checkpoint."""
+    if not isinstance(obj, dict):
+        raise SingleFileError(f"{path}: holds a {type(obj).__name__}, not a state dict")
+    state = obj.get("state_dict", obj)
+    return state, obj.get(METADATA_KEY) or {}, obj.get("global_step")
+
+
+def detect_family(
+    state: dict, metadata: dict, global_step: Any = None, declared: str | None = None, where: str = "the file"
+) -> tuple[Family | None, str]:
+    """The family of an original-layout state dict, and how it was told; `declared` settles SD 2 base vs 768-v."""
+    if declared is not None and declared not in FAMILIES:
+        raise SingleFileError(f"family {declared!r} is not one of {', '.join(FAMILIES)}")
+    if metadata.get("family"):
+        family = FAMILIES.get(metadata["family"])
+        if declared and family and declared != family.name:
+            raise SingleFileError(f"{where} says it is {family.name}, not {declared}; drop the family setting")
+        return family, "from the file's ldm metadata"
+    if any(k.startswith("conditioner.embedders.") for k in state):
+        raise SingleFileError(f"{where}: an SDXL checkpoint; only SD 1.x and 2.x are supported")
+    conv_in = state.get(UNET + "input_blocks.0.0.weight")
+    if conv_in is None:
+        raise SingleFileError(f"{where}: not a Stable Diffusion checkpoint (no {UNET}* weights)")
+    if conv_in.shape[1] != 4:
+        raise SingleFileError(
+            f"{where}: a UNet with {conv_in.shape[1]} input channels (inpainting or depth); "
+            "only text-to-image models (4 channels) are supported"
+        )
+    if CLIP + "embeddings.token_embedding.weight" in state:
+        layout = "clip"
+    elif OPEN_CLIP + "token_embedding.weight" in state:
+        layout = "open_clip"
+    else:
+        raise SingleFileError(f"{where}: no text encoder weights under {CLIP} or {OPEN_CLIP}")
+    candidates = [f for f in FAMILIES.values() if f.text_layout == layout]
+    if declared:
+        if FAMILIES[declared].text_layout != layout:
+            found = " or ".join(f.name for f in candidates)
+            raise SingleFileError(f"{where} holds a {layout} text encoder, so it is {found}, not {declared}")
+        return FAMILIES[declared], "as declared"
+    if len(candidates) == 1:
+        return candidates[0], f"from its {layout} text encoder"
+    if global_step == SD2_BASE_GLOBAL_STEP:
+        return FAMILIES["sd2-base"], f"from its OpenCLIP text encoder and global_step {global_step}"
+    raise SingleFileError(
+        f"{where}: Stable Diffusion 2.x weights, but the weights cannot tell 512-base (epsilon) from 768-v "
+        "(v-prediction); say which: model.params.pretrained_family: sd2-base or sd2-768-v (convert.py: --family)"
+    )
+
+
+def load_single_file(
+    path: str | Path, ema: bool = False, family: str | None = None, trust_pickle: bool = False, loaded: tuple = ()
+) -> tuple[Parts, str]:
+    """Parts (float32) from an original single file, and a line saying which family was detected and how.
+
+    `loaded` is the file's `(state, metadata, global_step)` where the caller has read it already."""
+    path = Path(path)
+    state, metadata, global_step = loaded or read_single_file(path, trust_pickle)
+    detected, how = detect_family(state, metadata, global_step, family, where=str(path))
+    parts = parts_from_description(metadata["parts"] if metadata.get("parts") else family_description(detected))
+    if ema:
+        state = _with_ema(state, path)
+    _load_original(parts, state, metadata.get("text_layout") or detected.text_layout, path)
+    title = detected.title if detected else "a custom architecture"
+    prediction = parts.scheduler.config.get("prediction_type", "epsilon")
+    return parts, f"{path}: {title} ({prediction}), {how}"
+
+
+def _with_ema(state: dict, path: Path) -> dict:
+    """Replace the UNet weights by the EMA weights stored beside them (`model_ema.<key without dots>`)."""
+    ema = {}
+    for key in state:
+        if key.startswith(UNET):
+            flat = EMA + "".join(key[len("model.") :].split("."))
+            if flat not in state:
+                raise SingleFileError(
+                    f"{path}: has no EMA weights ({flat} missing); its UNet weights may be the EMA ones already "
+                    "(as in *-emaonly files): drop the EMA setting"
+                )
+            ema[key] = state[flat]
+    return {**state, **ema}
+
+
+def _load_original(parts: Parts, state: dict, layout: str, path: Path) -> None:
+    """Load an original-layout state dict into `parts` (built on the meta device), as float32."""
+    by_part: dict[str, dict] = {"unet": {}, "vae": {}, "text_encoder": {}}
+    shapes = {part: {k: v.shape for k, v in getattr(parts, part).state_dict().items()} for part in by_part}
+    for ours, (original, slot) in original_names(parts, layout).items():
+        if original not in state:
+            raise SingleFileError(f"{path}: missing weight {original} (for {ours}); is it a complete checkpoint?")
+        tensor = state[original]
+        if slot is not None:
+            tensor = tensor.chunk(3)[slot].clone()  # its own storage: savers refuse tensors that share one
+        part, _, key = ours.partition(".")
+        expected = shapes[part][key]
+        if is_vae_attention_weight(original) and tensor.dim() == 4:
+            tensor = tensor[:, :, 0, 0]
+        if tensor.shape != expected:
+            raise SingleFileError(
+                f"{path}: {original} has shape {tuple(tensor.shape)}, but the detected architecture expects "
+                f"{tuple(expected)}; the file is not the family it looks like"
+            )
+        by_part[part][key] = tensor.to(torch.float32)
+    for part, part_state in by_part.items():
+        module = getattr(parts, part)
+        module.load_state_dict(part_state, assign=True)
+        module.eval()

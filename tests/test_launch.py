@@ -1,0 +1,91 @@
+"""Every rank of a run started by torchrun or SLURM agrees on the first rank's run folder, with no variable set."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+from ldm.training.launch import agree_on_run_dir
+from ldm.utils.run_folder import RUN_DIR_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+RANK_SCRIPT = """
+import os, sys
+from pathlib import Path
+from ldm.training.launch import agree_on_run_dir, cluster_environment
+
+rank = int(os.environ["RANK"])
+assert type(cluster_environment()).__name__ == sys.argv[1], cluster_environment()
+
+def propose():
+    assert rank == 0, "only the first rank names the folder"
+    return Path("logs") / "from-rank-0"
+
+print(agree_on_run_dir(propose))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, extra_env: dict) -> list[str]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items() if k != RUN_DIR_ENV}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1), RANK=str(rank), WORLD_SIZE=str(world))
+        env.update({k: v.format(rank=rank) for k, v in extra_env.items()}, PYTHONPATH=str(REPO))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK_SCRIPT, *extra_env["_env"].split()],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        )
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(out.strip())
+    return outputs
+
+
+def test_torchrun_ranks_receive_the_first_ranks_folder():
+    torchrun = {
+        "_env": "TorchElasticEnvironment",
+        "TORCHELASTIC_RUN_ID": "job",
+        "GROUP_RANK": "0",
+        "LOCAL_RANK": "{rank}",
+        "LOCAL_WORLD_SIZE": "3",
+    }
+    assert launch(3, torchrun) == [str(Path("logs") / "from-rank-0")] * 3
+
+
+def test_slurm_ranks_receive_the_first_ranks_folder():
+    slurm = {
+        "_env": "SLURMEnvironment",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_PROCID": "{rank}",
+        "SLURM_LOCALID": "{rank}",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_JOB_ID": "1",
+    }
+    assert launch(2, slurm) == [str(Path("logs") / "from-rank-0")] * 2
+
+
+def test_a_single_process_or_the_variable_needs_no_store(monkeypatch, tmp_path):
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    assert agree_on_run_dir(lambda: tmp_path / "mine") == tmp_path / "mine"
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "given"))
+    assert agree_on_run_dir(lambda: tmp_path / "mine", TorchElasticEnvironment()) == tmp_path / "given"
