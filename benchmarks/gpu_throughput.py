@@ -44,7 +44,7 @@ VARIANTS = {
         "data.params.cache_text=true",
         "lightning.trainer.strategy.target=ldm.training.strategies.ColossalAIStrategy",
         "lightning.trainer.strategy.params.plugin=zero",
-        "lightning.trainer.strategy.params.stage=2",
+        "lightning.trainer.strategy.params.zero.stage=2",
         "model.params.optimizer.target=ldm.training.strategies.HybridAdam",
     ],
 }

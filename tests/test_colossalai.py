@@ -33,7 +33,7 @@ colossalai_cpu.apply()
 
 ZERO = (
     "lightning.trainer.strategy={target: ldm.training.strategies.ColossalAIStrategy, "
-    "params: {plugin: zero, stage: 2, cpu_offload: true, overlap_communication: false}}"
+    "params: {plugin: zero, zero: {stage: 2, cpu_offload: true, overlap_communication: false}}}"
 )
 
 
@@ -214,12 +214,19 @@ def test_gemini_rejects_callbacks_that_read_weights_between_steps(tmp_path):
 
 
 def test_plugin_specific_settings_and_clipping_by_value(tmp_path):
-    zero_with_gemini_key = (
+    zero_with_gemini_block = (
         "lightning.trainer.strategy={target: ldm.training.strategies.ColossalAIStrategy, "
-        "params: {plugin: zero, offload_optim_frac: 1.0}}"
+        "params: {plugin: zero, gemini: {offload_optim_frac: 1.0}}}"
     )
-    assert "offload_optim_frac (command line): applies to plugin gemini only" in config_error(
-        tmp_path, zero_with_gemini_key
+    assert "params.gemini (command line): applies to plugin gemini only" in config_error(
+        tmp_path, zero_with_gemini_block
+    )
+    misspelt = (
+        "lightning.trainer.strategy={target: ldm.training.strategies.ColossalAIStrategy, "
+        "params: {plugin: zero, zero: {stages: 2}}}"
+    )
+    assert config_error(tmp_path, misspelt).startswith(
+        "lightning.trainer.strategy.params.zero.stages (command line): unknown key; valid: stage, cpu_offload"
     )
     assert "clips by norm only" in config_error(tmp_path, ZERO, "lightning.trainer.gradient_clip_algorithm=value")
     assert "Gemini trains in fp16 or bf16" in config_error(
@@ -271,12 +278,14 @@ def test_old_colossalai_config_is_translated(tmp_path):
         "target": "ldm.training.strategies.ColossalAIStrategy",
         "params": {
             "plugin": "gemini",
-            "shard_param_frac": 1.0,
-            "placement_policy": "static",
-            "offload_optim_frac": 1.0,
-            "offload_param_frac": 1.0,
-            "force_outputs_fp32": True,
-            "min_chunk_size_m": 64,
+            "gemini": {
+                "shard_param_frac": 1.0,
+                "placement_policy": "static",
+                "offload_optim_frac": 1.0,
+                "offload_param_frac": 1.0,
+                "force_outputs_fp32": True,
+                "min_chunk_size_m": 64,
+            },
         },
     }
 
@@ -373,7 +382,8 @@ def test_gemini_plugin_is_built_from_the_strategy_and_trainer_settings():
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
-    strategy = ColossalAIStrategy(plugin="gemini", offload_optim_frac=1.0, offload_param_frac=0.5, hidden_dim=320)
+    gemini = {"offload_optim_frac": 1.0, "offload_param_frac": 0.5, "hidden_dim": 320}
+    strategy = ColossalAIStrategy(plugin="gemini", gemini=gemini)
     strategy.precision_plugin = ColossalAIPrecision("16-mixed")
     trainer = SimpleNamespace(gradient_clip_val=1.0, accumulate_grad_batches=4)
     plugin = strategy._make_plugin(trainer)

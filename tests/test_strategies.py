@@ -17,17 +17,15 @@ def test_old_placement_policies_become_gemini_static_offload():
         "target": TARGET,
         "params": {
             "plugin": "gemini",
-            "placement_policy": "static",
-            "offload_optim_frac": 0.0,
-            "offload_param_frac": 0.0,
+            "gemini": {"placement_policy": "static", "offload_optim_frac": 0.0, "offload_param_frac": 0.0},
         },
     }
     auto = translate_legacy_strategy(
         {"target": "x", "params": {"placement_policy": "auto", "chunk_search_range": 2**26}}
     )
-    assert auto["params"] == {"plugin": "gemini", "placement_policy": "auto", "search_range_m": 64}
+    assert auto["params"] == {"plugin": "gemini", "gemini": {"placement_policy": "auto", "search_range_m": 64}}
     kept = translate_legacy_strategy({"target": "x", "params": {"initial_scale": 1024, "hysteresis": 3}})
-    assert kept["params"] == {"plugin": "gemini", "initial_scale": 1024, "hysteresis": 3}
+    assert kept["params"] == {"plugin": "gemini", "loss_scale": {"initial_scale": 1024, "hysteresis": 3}}
 
 
 @pytest.mark.parametrize(
@@ -59,3 +57,25 @@ def test_the_strategy_without_colossalai_says_how_to_install_it(tmp_path):
     ) as err:
         check_config(cfg, sources)
     assert "pip install -e .[colossalai]" in str(err.value) and "torch<=2.5.1" in str(err.value)
+
+
+def test_settings_written_before_the_groups_are_regrouped(caplog):
+    """`params: {plugin: zero, stage: 2, ...}` (the layout before the groups) still loads, with a notice each."""
+    import logging
+
+    from ldm.training.strategies.options import group_flat_settings
+
+    flat = {"plugin": "zero", "stage": 1, "cpu_offload": True, "initial_scale": 128, "checkpoint_shard_mb": 64}
+    with caplog.at_level(logging.INFO, logger="ldm.training.strategies.options"):
+        grouped = group_flat_settings(flat)
+    assert grouped == {
+        "plugin": "zero",
+        "zero": {"stage": 1, "cpu_offload": True},
+        "loss_scale": {"initial_scale": 128},
+        "checkpoint_shard_mb": 64,
+    }
+    assert "lightning.trainer.strategy.params.stage is now lightning.trainer.strategy.params.zero.stage" in caplog.text
+    with pytest.raises(
+        ConfigError, match=r"params\.stage: also given as lightning\.trainer\.strategy\.params\.zero\.stage"
+    ):
+        group_flat_settings({"stage": 1, "zero": {"stage": 2}})

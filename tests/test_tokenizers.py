@@ -1,4 +1,4 @@
-"""Tests for the offline SD 1.x CLIP tokenizer writer in ldm.tokenizers."""
+"""Tests for the offline SD 1.x CLIP tokenizer writer in ldm.components.tokenizers."""
 
 from __future__ import annotations
 

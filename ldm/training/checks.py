@@ -15,9 +15,11 @@ from collections.abc import Mapping
 from lightning.pytorch import LightningDataModule, Trainer
 from omegaconf import DictConfig, ListConfig
 
-from ldm.config import ConfigError, Sources, check_params, check_target_node, fail, import_target, signature
+from ldm.config import ConfigError, Sources, check_params, check_target_node, fail, import_target, signature, to_plain
 from ldm.training.callbacks.checkpoints import Checkpoints
+from ldm.training.strategies import TARGET as COLOSSAL_TARGET
 from ldm.training.strategies.legacy import LEGACY_TARGETS, translate_legacy_strategy
+from ldm.training.strategies.options import group_flat_settings
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,12 @@ def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
     if isinstance(strategy, Mapping):
         if strategy.get("target") in LEGACY_TARGETS:  # configs written for Lightning 1.x's ColossalAIStrategy
             cfg.lightning.trainer.strategy = translate_legacy_strategy(strategy)
+            strategy = cfg.lightning.trainer.strategy
+        elif strategy.get("target") == COLOSSAL_TARGET and isinstance(strategy.get("params"), Mapping):
+            try:  # its settings, written directly under params before they were grouped
+                cfg.lightning.trainer.strategy.params = group_flat_settings(to_plain(strategy.params))
+            except ConfigError as err:
+                fail(sources, *str(err).split(": ", 1))
             strategy = cfg.lightning.trainer.strategy
         check_target_node(strategy, "lightning.trainer.strategy", sources)
         check_whole = getattr(import_target(strategy["target"]), "check_run_config", None)

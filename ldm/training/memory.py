@@ -22,6 +22,7 @@ from ldm.components.memory import DTYPES
 from ldm.config import ConfigError, import_target, to_plain
 from ldm.training.model import latent_diffusion
 from ldm.training.strategies import TARGET as COLOSSAL_TARGET
+from ldm.training.strategies.options import group_flat_settings, resolved
 
 GIB = 1024**3
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
@@ -235,6 +236,8 @@ def place(plan: MemoryPlan, cfg: Any) -> Placement | None:
     nvme = float(optimizer.get("nvme_offload_fraction") or 0.0)
     accumulate = int(trainer.get("accumulate_grad_batches", 1)) > 1
     plugin = sp.get("plugin", "gemini")
+    grouped = group_flat_settings(sp)
+    gemini, zero = resolved("gemini", grouped.get("gemini")), resolved("zero", grouped.get("zero"))
     rows: list[tuple[str, str, str, int]] = []
 
     def split(part: str, state: str, nbytes: float, gpu_share: float) -> None:
@@ -246,8 +249,8 @@ def place(plan: MemoryPlan, cfg: Any) -> Placement | None:
         if not p.trainable:
             rows.append((p.name, "weights (frozen, half)", "gpu", 2 * n))
         elif plugin == "gemini":
-            weights_gpu = 1.0 - float(sp.get("offload_param_frac", 0.0))
-            optim_gpu = 1.0 - float(sp.get("offload_optim_frac", 0.0))
+            weights_gpu = 1.0 - float(gemini["offload_param_frac"])
+            optim_gpu = 1.0 - float(gemini["offload_optim_frac"])
             split(p.name, "weights (fp16 chunks)", 2 * n, weights_gpu)
             if accumulate:
                 split(p.name, "gradients (fp16, accumulated)", 2 * n, weights_gpu)
@@ -256,12 +259,12 @@ def place(plan: MemoryPlan, cfg: Any) -> Placement | None:
             rows.append((p.name, "Adam moments (fp32)", "cpu", int(8 * n * (1 - optim_gpu) * (1 - nvme))))
             rows.append((p.name, "Adam moments (fp32)", "nvme", int(8 * n * (1 - optim_gpu) * nvme)))
         else:
-            offload = bool(sp.get("cpu_offload", False))
+            offload = bool(zero["cpu_offload"])
             width = 4 if str(trainer.get("precision", "16-mixed")).startswith("32") else 2
             device = "cpu" if offload else "gpu"
             rows.append((p.name, "weights (working)", "gpu", width * n))
             if offload:
-                rows.append((p.name, "gradient bucket", "gpu", 2 * 2**20 * int(sp.get("reduce_bucket_size_m", 12))))
+                rows.append((p.name, "gradient bucket", "gpu", 2 * 2**20 * int(zero["reduce_bucket_size_m"])))
                 rows.append((p.name, "gradients (fp32)", "cpu", 4 * n))
             else:
                 rows.append((p.name, "gradients", "gpu", width * n))

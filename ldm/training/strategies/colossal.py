@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from ldm.config import ConfigError, Sources, fail, import_target
 from ldm.training.strategies.colossal_checkpoint import BoosterCheckpoints, unwrap
+from ldm.training.strategies.options import GeminiOptions, LossScaleOptions, ZeroOptions, resolved
 
 __all__ = ["ColossalAIStrategy", "ColossalAIPrecision", "HybridAdam", "CPUAdam"]
 
@@ -38,21 +39,6 @@ GEMINI_OPTIMIZERS = (HybridAdam, CPUAdam, FusedAdam)
 NVME_OPTIMIZERS = (HybridAdam, CPUAdam)
 # Callbacks that read the trained weights between steps; Gemini keeps them in chunks it may move or free.
 READS_WEIGHTS = ("ldm.training.callbacks.ema.EMA", "ldm.training.callbacks.image_logger.ImageLogger")
-GEMINI_ONLY = (
-    "placement_policy",
-    "shard_param_frac",
-    "offload_optim_frac",
-    "offload_param_frac",
-    "warmup_non_model_data_ratio",
-    "steady_cuda_cap_ratio",
-    "gpu_margin_mem_ratio",
-    "search_range_m",
-    "hidden_dim",
-    "min_chunk_size_m",
-    "pin_memory",
-    "force_outputs_fp32",
-)
-ZERO_ONLY = ("stage", "cpu_offload", "reduce_bucket_size_m", "overlap_communication")
 
 
 def _plugin_precision(flag: str) -> str:
@@ -112,7 +98,8 @@ class ColossalAIStrategy(BoosterCheckpoints, DDPStrategy):
     32-true), gradient clipping from `trainer.gradient_clip_val` (by norm). With Gemini the model's
     optimizer must be `ldm.training.strategies.HybridAdam` or `CPUAdam`; those also offload optimizer states
     to NVMe (`nvme_offload_fraction`, `nvme_offload_dir` in `model.params.optimizer.params`; needs
-    the `tensornvme` package). Gemini parameters are documented in Colossal-AI's `GeminiPlugin`.
+    the `tensornvme` package). The settings of each plugin are a group of their own
+    (`ldm.training.strategies.options`), documented in Colossal-AI's `GeminiPlugin` and `LowLevelZeroPlugin`.
     """
 
     strategy_name = "colossalai"
@@ -120,71 +107,20 @@ class ColossalAIStrategy(BoosterCheckpoints, DDPStrategy):
     def __init__(
         self,
         plugin: Literal["gemini", "zero"] = "gemini",
-        placement_policy: Literal["static", "auto"] = "static",
-        shard_param_frac: float = 1.0,
-        offload_optim_frac: float = 0.0,
-        offload_param_frac: float = 0.0,
-        warmup_non_model_data_ratio: float = 0.8,
-        steady_cuda_cap_ratio: float = 0.9,
-        gpu_margin_mem_ratio: float = 0.0,
-        search_range_m: int = 32,
-        hidden_dim: int | None = None,
-        min_chunk_size_m: float = 32,
-        pin_memory: bool = False,
-        force_outputs_fp32: bool = False,
-        stage: Literal[1, 2] = 2,
-        cpu_offload: bool = False,
-        reduce_bucket_size_m: int = 12,
-        overlap_communication: bool = True,
-        initial_scale: float = 2**16,
-        min_scale: float = 1.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2**32,
+        gemini: GeminiOptions | None = None,
+        zero: ZeroOptions | None = None,
+        loss_scale: LossScaleOptions | None = None,
         checkpoint_shard_mb: int = 1024,
         process_group_backend: str | None = None,
         timeout_minutes: float = 30,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timedelta(minutes=timeout_minutes))
-        for name, value in {
-            "shard_param_frac": shard_param_frac,
-            "offload_optim_frac": offload_optim_frac,
-            "offload_param_frac": offload_param_frac,
-        }.items():
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"lightning.trainer.strategy.params.{name}: must be within [0, 1], got {value}")
         self.plugin_name = plugin
-        self.gemini_options = {
-            "placement_policy": placement_policy,
-            "shard_param_frac": shard_param_frac,
-            "offload_optim_frac": offload_optim_frac,
-            "offload_param_frac": offload_param_frac,
-            "warmup_non_model_data_ratio": warmup_non_model_data_ratio,
-            "steady_cuda_cap_ratio": steady_cuda_cap_ratio,
-            "gpu_margin_mem_ratio": gpu_margin_mem_ratio,
-            "search_range_m": search_range_m,
-            "hidden_dim": hidden_dim,
-            "min_chunk_size_m": min_chunk_size_m,
-            "pin_memory": pin_memory,
-            "force_outputs_fp32": force_outputs_fp32,
-        }
-        self.zero_options = {
-            "stage": stage,
-            "cpu_offload": cpu_offload,
-            "reduce_bucket_size_in_m": reduce_bucket_size_m,
-            "overlap_communication": overlap_communication,
-        }
-        self.scaler_options = {
-            "initial_scale": initial_scale,
-            "min_scale": min_scale,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval,
-            "hysteresis": hysteresis,
-            "max_scale": max_scale,
-        }
+        self.gemini_options = resolved("gemini", gemini)
+        zero_options = resolved("zero", zero)
+        zero_options["reduce_bucket_size_in_m"] = zero_options.pop("reduce_bucket_size_m")  # the plugin's name
+        self.zero_options = zero_options
+        self.scaler_options = resolved("loss_scale", loss_scale)
         self.checkpoint_shard_mb = checkpoint_shard_mb
         self.booster: Booster | None = None
 
@@ -196,10 +132,9 @@ class ColossalAIStrategy(BoosterCheckpoints, DDPStrategy):
         strategy = cfg["lightning"]["trainer"]["strategy"]
         params = strategy.get("params") or {}
         plugin = params.get("plugin", "gemini")
-        where = "lightning.trainer.strategy.params"
-        for name in GEMINI_ONLY if plugin == "zero" else ZERO_ONLY:
-            if name in params:
-                fail(sources, f"{where}.{name}", f"applies to plugin {'gemini' if plugin == 'zero' else 'zero'} only")
+        other = "zero" if plugin == "gemini" else "gemini"
+        if params.get(other):
+            fail(sources, f"lightning.trainer.strategy.params.{other}", f"applies to plugin {other} only")
         if (cfg["model"].get("params") or {}).get("lora"):
             fail(
                 sources,

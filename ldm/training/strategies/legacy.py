@@ -9,6 +9,7 @@ from typing import Any
 
 from ldm.config import ConfigError
 from ldm.training.strategies import TARGET
+from ldm.training.strategies.options import group_flat_settings
 
 log = logging.getLogger(__name__)
 
@@ -70,5 +71,6 @@ def translate_legacy_strategy(node: Mapping, key: str = "lightning.trainer.strat
                 f"{where}: not a parameter of the old ColossalAIStrategy that {TARGET} can honour; "
                 f"write the block as {{target: {TARGET}, params: {{plugin: gemini, ...}}}} (see README)"
             )
+    params = group_flat_settings(params)
     log.info("%s: %s is now %s with params %s", key, node["target"], TARGET, params)
     return {"target": TARGET, "params": params}
