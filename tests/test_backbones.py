@@ -53,3 +53,18 @@ def test_denoiser_call_of_a_unet_and_of_any_other_module(tiny_sd):
     other = TinyDenoiser()
     assert as_denoiser(other) is other
     assert other(noisy, t, cond).shape == noisy.shape
+
+
+def test_the_system_receives_its_parts_built_and_pickles_before(tiny_sd):
+    """The config factory hands the system a builder; the system builds once, then holds the parts by name."""
+    import pickle
+
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    system = LatentDiffusion(pretrained=str(tiny_sd), frozen_dtype="bfloat16")
+    again = pickle.loads(pickle.dumps(system))  # what ddp_spawn does before Lightning configures the model
+    again.configure_model()
+    assert list(again.parts) == ["unet", "vae", "text_encoder", "tokenizer", "scheduler"]
+    assert again.vae.dtype == torch.bfloat16 and not any(p.requires_grad for p in again.vae.parameters())
+    assert all(p.requires_grad for p in again.unet.parameters())
+    assert {k.split(".")[0] for k in again.state_dict()} == {"unet", "vae", "text_encoder"}

@@ -83,3 +83,31 @@ def test_sample_posterior_draws_as_diffusers_does():
     state = torch.get_rng_state()
     assert diffusion.sample_posterior(posterior.mean, None) is posterior.mean
     assert torch.equal(torch.get_rng_state(), state), "the mean alone draws nothing"
+
+
+@pytest.mark.parametrize(("prediction_type", "snr_gamma"), [("epsilon", None), ("v_prediction", 5.0)])
+def test_ddpm_loss_is_the_diffusers_recipe_for_any_denoiser(scheduler, prediction_type, snr_gamma):
+    """One step's loss for a denoiser behind the call `(noisy, t, cond) -> prediction`, as diffusers'
+    train_text_to_image.py computes it from the same noise and timesteps."""
+    x0 = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    cond = {"encoder_hidden_states": torch.randn(4, 7, 4, generator=torch.Generator().manual_seed(2))}
+    seen = {}
+
+    def denoiser(noisy, t, c):
+        seen.update(noisy=noisy, t=t, cond=c)
+        return noisy * 0.5 + c["encoder_hidden_states"].mean((1, 2))[:, None, None, None]
+
+    torch.manual_seed(3)
+    loss = diffusion.ddpm_loss(denoiser, x0, cond, scheduler.alphas_cumprod, prediction_type, snr_gamma)
+    torch.manual_seed(3)
+    noise = torch.randn_like(x0)
+    t = torch.randint(0, 1000, (4,))
+    assert torch.equal(seen["t"], t) and seen["cond"] is cond
+    torch.testing.assert_close(seen["noisy"], scheduler.add_noise(x0, noise, t))
+    scheduler.register_to_config(prediction_type=prediction_type)
+    target = noise if prediction_type == "epsilon" else scheduler.get_velocity(x0, noise, t)
+    per_sample = ((denoiser(seen["noisy"], t, cond) - target) ** 2).mean((1, 2, 3))
+    if snr_gamma is not None:  # diffusers: min(snr, gamma) / (snr + 1) for v-prediction
+        snr = compute_snr(scheduler, t)
+        per_sample = per_sample * torch.minimum(snr, torch.full_like(snr, snr_gamma)) / (snr + 1)
+    torch.testing.assert_close(loss, per_sample.mean(), rtol=1e-5, atol=1e-6)

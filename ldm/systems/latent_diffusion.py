@@ -60,7 +60,7 @@ class LatentDiffusion(pl.LightningModule):
         nonfinite_loss: str = "skip",
     ) -> None:
         super().__init__()
-        self._build = parts if callable(parts) else (lambda: parts)
+        self._source: Parts | Callable[[], Parts] | None = parts
         self.trainable, self.denoiser_name = tuple(dict.fromkeys(trainable)), denoiser
         self.snr_gamma, self.sample_latents = snr_gamma, sample_latents
         self.optimization = optimization or Optimization()
@@ -78,7 +78,8 @@ class LatentDiffusion(pl.LightningModule):
         """Build the parts (once) and take them in."""
         if self._names:
             return
-        parts = self._build()
+        parts = self._source() if callable(self._source) else self._source
+        self._source = None  # the parts live in the system now
         for name, part in parts.items():
             if isinstance(part, torch.nn.Module):
                 setattr(self, name, part)

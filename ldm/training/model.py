@@ -9,6 +9,7 @@ memory options and LoRA (`ldm.components`), and hands the system its parts ready
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -66,29 +67,61 @@ def latent_diffusion(
     if trainable_dtype == "bfloat16":
         _check_bf16_training(optimization.optimizer["target"], lora)
     specs = {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler}
+    memory = {
+        "attention": attention,
+        "gradient_checkpointing": gradient_checkpointing,
+        "channels_last": channels_last,
+        "frozen_dtype": frozen_dtype,
+        "trainable_dtype": trainable_dtype,
+    }
+    build = PartsForTraining(
+        pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora
+    )
+    system = System(build, trainable, "unet", snr_gamma, sample_latents, optimization, lora, nonfinite_loss)
+    if all(isinstance(specs[name], torch.nn.Module) for name in ("unet", "vae", "text_encoder")):
+        system.configure_model()  # networks passed in: nothing to load
+    return system
 
-    def build() -> Parts:
+
+@dataclass
+class PartsForTraining:
+    """Build the parts of a config, ready to train: read, prediction type settled, memory options and LoRA
+    applied. A plain object (not a closure), so a system holding it still pickles, e.g. for `ddp_spawn`."""
+
+    pretrained: str | None
+    pretrained_ema: bool
+    pretrained_family: str | None
+    specs: dict
+    prediction_type: str | None
+    trainable: tuple[str, ...]
+    memory: dict
+    lora: dict | None
+
+    def __call__(self) -> Parts:
+        memory = self.memory
         with torch.device("cpu"):  # the strategy places them
             parts = load_pretrained(
-                pretrained, pretrained_ema=pretrained_ema, pretrained_family=pretrained_family, **specs
+                self.pretrained,
+                pretrained_ema=self.pretrained_ema,
+                pretrained_family=self.pretrained_family,
+                **self.specs,
             )
-        _resolve_prediction_type(parts.scheduler, prediction_type, pretrained, specs["scheduler"])
-        if trainable_dtype is not None:
-            for name in trainable:
-                parts[name].to(DTYPES[trainable_dtype])
-        set_attention(parts, attention)
+        _resolve_prediction_type(parts.scheduler, self.prediction_type, self.pretrained, self.specs["scheduler"])
+        if memory["trainable_dtype"] is not None:
+            for name in self.trainable:
+                parts[name].to(DTYPES[memory["trainable_dtype"]])
+        set_attention(parts, memory["attention"])
         prepare_for_training(
-            parts, trainable, gradient_checkpointing, channels_last, frozen_dtype, adapters=lora is not None
+            parts,
+            self.trainable,
+            memory["gradient_checkpointing"],
+            memory["channels_last"],
+            memory["frozen_dtype"],
+            adapters=self.lora is not None,
         )
-        if lora is not None:
-            add_lora(parts, trainable, lora)
+        if self.lora is not None:
+            add_lora(parts, self.trainable, self.lora)
         return parts
-
-    networks_given = all(isinstance(specs[name], torch.nn.Module) for name in ("unet", "vae", "text_encoder"))
-    system = System(build, trainable, "unet", snr_gamma, sample_latents, optimization, lora, nonfinite_loss)
-    if networks_given:
-        system.configure_model()  # nothing to load
-    return system
 
 
 def _check_bf16_training(optimizer_target: str, lora: dict | None) -> None:

@@ -115,7 +115,6 @@ def auto_precision() -> str:
 
 def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.Trainer:
     """A Trainer with checkpoints, TensorBoard + CSV logs and the configured callbacks."""
-
     lightning_cfg = cfg.get("lightning") or OmegaConf.create()
     trainer_kwargs = to_plain(lightning_cfg.get("trainer") or {})
     strategy = trainer_kwargs.get("strategy")
@@ -141,7 +140,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
         return pl.Trainer(
             default_root_dir=run_dir, callbacks=callbacks, logger=loggers, plugins=plugins, **trainer_kwargs
         )
-    except (ValueError, MisconfigurationException) as err:  # e.g. an unknown strategy name, no GPU for gpu
+    except REJECTIONS as err:  # e.g. an unknown strategy name, no GPU for gpu
         raise rejected("lightning.trainer", err) from None
 
 
