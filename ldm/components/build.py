@@ -19,7 +19,9 @@ from ldm.components import Parts
 from ldm.components.tokenizers import write_clip_tokenizer
 from ldm.config import ConfigError, ExistingPath, import_target
 
-PART_NAMES = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+# The parts of a Stable Diffusion 1.x / 2.x model, as `model.params` and a diffusers folder name them.
+NETWORK_PARTS = ("unet", "vae", "text_encoder")
+PART_NAMES = (*NETWORK_PARTS, "tokenizer", "scheduler")
 
 DEFAULT_CLASSES = {
     "unet": "diffusers.UNet2DConditionModel",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ldm.components import Parts
-from ldm.components.build import DEFAULT_CLASSES
+from ldm.components.build import DEFAULT_CLASSES, NETWORK_PARTS
 from ldm.components.tokenizers import write_clip_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -28,6 +28,7 @@ class Family:
     text_layout: str  # "clip" (OpenAI CLIP, SD 1.x) or "open_clip" (OpenCLIP ViT-H, SD 2.x)
     pad_token: str
     original_config: str  # the original inference YAML, in configs/models/original/
+    networks: tuple[str, ...] = NETWORK_PARTS  # the parts with weights, each a folder of configs/models/<name>/
 
     @property
     def folder(self) -> Path:
@@ -72,7 +73,7 @@ def _same(a: Any, b: Any) -> bool:
 def family_description(family: Family) -> dict:
     """A family's parts in `describe_parts` form, from the configs shipped in `configs/models/<family>/`."""
     described = {}
-    for name in ("unet", "vae", "text_encoder"):
+    for name in family.networks:
         config = json.loads((family.folder / name / "config.json").read_text())
         described[name] = {"class": DEFAULT_CLASSES[name], "config": config}
     scheduler = json.loads((family.folder / "scheduler" / "scheduler_config.json").read_text())

@@ -18,6 +18,7 @@ import torch
 from ldm import diffusion
 from ldm.backbones import as_denoiser
 from ldm.components import Parts
+from ldm.components.conditioning import CONDITIONINGS, TEXT_PARTS
 from ldm.components.describe import describe_parts
 from ldm.components.lora import is_lora_key
 from ldm.config import ConfigError, import_target
@@ -44,8 +45,9 @@ class LatentDiffusion(pl.LightningModule):
     `parts` are the built parts, or a function that builds them: Lightning calls `configure_model`
     inside `fit`, so weights then load once the Trainer and its strategy exist. Each network becomes
     a submodule under its part name (`unet.…`, `vae.…` in the state dict); `denoiser` names the part
-    that denoises. `trainable` parts train; the others stay frozen, in eval mode. `lora` is the
-    adapter spec the parts were given, if any: checkpoints then hold the adapters only.
+    that denoises, `conditioning` how captions become its conditioning (`ldm.components.conditioning`).
+    `trainable` parts train; the others stay frozen, in eval mode. `lora` is the adapter spec the
+    parts were given, if any: checkpoints then hold the adapters only.
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class LatentDiffusion(pl.LightningModule):
         parts: Parts | Callable[[], Parts],
         trainable: Sequence[str] = ("unet",),
         denoiser: str = "unet",
+        conditioning: str = "clip",
         snr_gamma: float | None = None,
         sample_latents: bool = True,
         optimization: Optimization | None = None,
@@ -62,6 +65,9 @@ class LatentDiffusion(pl.LightningModule):
         super().__init__()
         self._source: Parts | Callable[[], Parts] | None = parts
         self.trainable, self.denoiser_name = tuple(dict.fromkeys(trainable)), denoiser
+        if conditioning not in CONDITIONINGS:
+            raise ConfigError(f"model.params.conditioning: got {conditioning!r}; valid: {', '.join(CONDITIONINGS)}")
+        self.conditioning = conditioning
         self.snr_gamma, self.sample_latents = snr_gamma, sample_latents
         self.optimization = optimization or Optimization()
         self.lora = dict(lora) if lora is not None else None
@@ -121,17 +127,11 @@ class LatentDiffusion(pl.LightningModule):
         return posterior.mean * self.latent_scale, std
 
     def encode_text(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Captions to the denoiser's conditioning: the text encoder's last hidden states, padded to the
-        tokenizer's length, as `encoder_hidden_states`."""
-        ids = self.tokenizer(
-            list(captions),
-            padding="max_length",
-            max_length=self.tokenizer.model_max_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids.to(self.device)
-        with torch.set_grad_enabled("text_encoder" in self.trainable and self.training):
-            return {"encoder_hidden_states": self.text_encoder(ids)[0]}
+        """Captions to the denoiser's conditioning mapping, by the system's `conditioning`
+        (`ldm.components.conditioning`); with gradients when a text part trains."""
+        trains = any(name in self.trainable for name in TEXT_PARTS[self.conditioning])
+        with torch.set_grad_enabled(trains and self.training):
+            return CONDITIONINGS[self.conditioning](self.parts, captions, self.device)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         loss = self.loss(batch)

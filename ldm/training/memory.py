@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ldm.components.build import DEFAULT_CLASSES, build_part, module_from_config, part_folder, part_spec
+from ldm.components.build import DEFAULT_CLASSES, NETWORK_PARTS, build_part, module_from_config, part_folder, part_spec
 from ldm.components.memory import DTYPES
 from ldm.config import ConfigError, import_target, to_plain
 from ldm.training.model import latent_diffusion
@@ -131,7 +131,7 @@ def plan_training_step(
         raise ConfigError(
             f"lightning.trainer.precision: the planner knows 32-true, bf16-mixed, 16-mixed; got {precision}"
         )
-    configs = {name: _part_config(params, name) for name in ("unet", "vae", "text_encoder")}
+    configs = {name: _part_config(params, name) for name in NETWORK_PARTS}
     tokenizer = _tokenizer(params, configs["text_encoder"][1])
     scheduler = build_part("scheduler", part_spec("scheduler", params.get("scheduler"), params.get("pretrained")), "")
 

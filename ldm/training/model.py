@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from ldm.components import Parts
-from ldm.components.build import PartSpec
+from ldm.components.build import NETWORK_PARTS, PartSpec
 from ldm.components.families import FamilyName
 from ldm.components.lora import LoraSpec, add_lora
 from ldm.components.memory import DTYPES, prepare_for_training, set_attention
@@ -77,8 +77,8 @@ def latent_diffusion(
     build = PartsForTraining(
         pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora
     )
-    system = System(build, trainable, "unet", snr_gamma, sample_latents, optimization, lora, nonfinite_loss)
-    if all(isinstance(specs[name], torch.nn.Module) for name in ("unet", "vae", "text_encoder")):
+    system = System(build, trainable, "unet", "clip", snr_gamma, sample_latents, optimization, lora, nonfinite_loss)
+    if all(isinstance(specs[name], torch.nn.Module) for name in NETWORK_PARTS):
         system.configure_model()  # networks passed in: nothing to load
     return system
 

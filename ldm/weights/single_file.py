@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ldm.components import Parts
+from ldm.components.build import NETWORK_PARTS
 from ldm.components.describe import describe_parts, parts_from_description
 from ldm.components.families import FAMILIES, Family, family_description, family_of
 from ldm.utils.atomic import atomic_path
@@ -33,11 +34,7 @@ SD2_BASE_GLOBAL_STEP = 875000
 
 def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str, torch.Tensor]:
     """The parts' weights as one original-layout state dict (fp16 with `half`, else as they are)."""
-    state = {
-        f"{part}.{k}": v
-        for part in ("unet", "vae", "text_encoder")
-        for k, v in getattr(parts, part).state_dict().items()
-    }
+    state = {f"{part}.{k}": v for part in NETWORK_PARTS for k, v in parts[part].state_dict().items()}
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, list] = {}
     for ours, (original, slot) in original_names(parts, text_layout).items():
@@ -198,7 +195,7 @@ def _with_ema(state: dict, path: Path) -> dict:
 
 def _load_original(parts: Parts, state: dict, layout: str, path: Path) -> None:
     """Load an original-layout state dict into `parts` (built on the meta device), as float32."""
-    by_part: dict[str, dict] = {"unet": {}, "vae": {}, "text_encoder": {}}
+    by_part: dict[str, dict] = {name: {} for name in NETWORK_PARTS}
     shapes = {part: {k: v.shape for k, v in getattr(parts, part).state_dict().items()} for part in by_part}
     for ours, (original, slot) in original_names(parts, layout).items():
         if original not in state:
