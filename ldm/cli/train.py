@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from ldm.config import ConfigError
 from ldm.training.checkpoint_io import CheckpointError
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.train:
-        print("main.py: nothing to do; pass -t to train", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: nothing to do; pass -t to train", file=sys.stderr)
         return 2
     try:
         run_dir = train(args.base, args.overrides, args.logdir, args.name, args.seed, args.resume)
