@@ -188,3 +188,23 @@ def test_an_error_names_the_key_its_value_came_from(capsys, tiny_sd, tmp_path):
     assert main(["-t", "-b", str(config), "-l", str(tmp_path / "logs")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("config error: data.params.dataset.params.root: no images (.png"), err
+
+
+def test_targets_that_moved_still_load_with_a_notice(valid, caplog):
+    """Configs written before the package was laid out in floors keep working; the log names the new path."""
+    import logging
+
+    from ldm.config import import_target
+    from ldm.training.checks import MOVED_TARGETS
+
+    old = ["lightning.callbacks.ema.target=ldm.callbacks.ema.EMA", "lightning.callbacks.image_logger=null"]
+    cfg, sources = load_config([SD_FOLDER], [*valid, *old])
+    with caplog.at_level(logging.INFO, logger="ldm.training.checks"):
+        check_config(cfg, sources)
+    assert cfg.lightning.callbacks.ema.target == "ldm.training.callbacks.ema.EMA"
+    notice = "lightning.callbacks.ema.target: ldm.callbacks.ema.EMA moved to ldm.training.callbacks.ema.EMA"
+    assert notice in caplog.text
+
+    for new in MOVED_TARGETS.values():
+        if "strategies" not in new:  # those need Colossal-AI
+            assert callable(import_target(new)), new

@@ -124,7 +124,7 @@ class ColossalAIStrategy(BoosterCheckpoints, DDPStrategy):
         self.checkpoint_shard_mb = checkpoint_shard_mb
         self.booster: Booster | None = None
 
-    # -- configuration checks, run by ldm.config.check_config before anything is built ------------
+    # -- configuration checks, run by ldm.training.checks.check_config before anything is built ------------
 
     @staticmethod
     def check_run_config(cfg: Mapping, sources: Sources | None = None) -> None:
