@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 TOP_LEVEL_KEYS = ("model", "data", "lightning")
 LIGHTNING_KEYS = ("trainer", "callbacks", "modelcheckpoint")
-# Targets that moved when the package was laid out in floors (0.2): old configs keep working, with a notice.
+# Targets that moved when the package was laid out in floors (issue 14): old configs keep working, with a notice.
 MOVED_TARGETS = {
     "ldm.strategies.ColossalAIStrategy": "ldm.training.strategies.ColossalAIStrategy",
     "ldm.strategies.HybridAdam": "ldm.training.strategies.HybridAdam",
