@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image, ImageDraw
 
 from ldm.components import Parts
@@ -29,8 +29,18 @@ def inference_scheduler(training_scheduler, sampler: str = "ddim"):
     return getattr(diffusers, SAMPLERS[sampler]).from_config(config)
 
 
+def check_samplable(parts: Parts) -> None:
+    """Raise `ValueError` unless `parts` can go into a `StableDiffusionPipeline`: its denoiser must be a UNet."""
+    if not isinstance(parts.unet, UNet2DConditionModel):
+        raise ValueError(
+            f"sampling and export go through diffusers' StableDiffusionPipeline, which needs a UNet2DConditionModel; "
+            f"this denoiser is a {type(parts.unet).__name__}, which trains and checkpoints but cannot sample yet"
+        )
+
+
 def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeline:
     """A `StableDiffusionPipeline` over `parts` (shared, not copied), without a safety checker."""
+    check_samplable(parts)
     return StableDiffusionPipeline(
         vae=parts.vae,
         text_encoder=parts.text_encoder,

@@ -41,6 +41,17 @@ def test_a_denoiser_of_another_class_trains_from_a_config(tiny_sd, image_folder,
     assert any("train/loss" in f.read_text() for f in losses)
 
 
+def test_sampling_such_a_denoiser_is_refused_before_training(tiny_sd, image_folder, tmp_path, capsys):
+    from main import main
+
+    unet = f"model.params.unet={{target: {DENOISER}, config: {{channels: 4, width: 8, cond_dim: 32}}}}"
+    assert main(finetune_args(tiny_sd, image_folder, tmp_path / "logs", unet)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("config error: lightning.callbacks: ImageLogger: sampling and export go through"), err
+    assert "this denoiser is a TinyDenoiser" in err
+    assert not list((tmp_path / "logs").glob("*/checkpoints/step-*")), "nothing trained"
+
+
 def test_denoiser_call_of_a_unet_and_of_any_other_module(tiny_sd):
     from diffusers import UNet2DConditionModel
 

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from ldm.sampling import build_pipeline, image_grid, sample
+from ldm.config import ConfigError
+from ldm.sampling import build_pipeline, check_samplable, image_grid, sample
 
 
 class ImageLogger(pl.Callback):
@@ -32,6 +33,13 @@ class ImageLogger(pl.Callback):
         self.num_inference_steps, self.guidance_scale = num_inference_steps, guidance_scale
         self.sampler, self.seed, self.at_end = sampler, seed, at_end
         self._last_step = -1
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Fail before the first step, not at the first grid, when the model cannot be sampled."""
+        try:
+            check_samplable(pl_module.parts)
+        except ValueError as err:
+            raise ConfigError(f"lightning.callbacks: ImageLogger: {err}; switch it off (callbacks.NAME=null)") from None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
         step = trainer.global_step
