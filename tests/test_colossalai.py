@@ -304,7 +304,8 @@ def test_planner_placement_matches_what_zero_allocates(tiny_sd, image_folder, tm
     argv = args(tiny_sd, image_folder, tmp_path / "logs", *extra)
     assert main(argv) == 0
     real = json.loads(record.read_text())
-    cfg, _ = load_config([SD_FOLDER], [a for a in argv if "=" in a and not a.startswith("-")])
+    cfg, sources = load_config([SD_FOLDER], [a for a in argv if "=" in a and not a.startswith("-")])
+    check_config(cfg, sources)  # as scripts/plan_memory.py does: the planner reads a checked config
     placement = place(plan_training_step(cfg), cfg)
     rows = {(part, state, device): b for part, state, device, b in placement.rows}
     assert real["master_device"] == "cpu"

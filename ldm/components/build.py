@@ -45,11 +45,16 @@ class PartSpec(TypedDict, total=False):
     config: dict
 
 
-def build_parts(pretrained: str | None = None, key: str = "model.params", **specs: Any) -> Parts:
+def build_parts(
+    pretrained: str | None = None, key: str = "model.params", base: Parts | None = None, **specs: Any
+) -> Parts:
     """Build every part: a module (or tokenizer, scheduler) passes through, a spec is built, a missing
-    one is the part's subfolder of the diffusers folder `pretrained`."""
-    built = Parts()
+    one is taken from `base` (parts already read) or else is the part's subfolder of the diffusers
+    folder `pretrained`."""
+    built = Parts(base or {})
     for name in PART_NAMES:
+        if specs.get(name) is None and base is not None:
+            continue
         spec = part_spec(name, specs.get(name), pretrained, key)
         built[name] = build_part(name, spec, f"{key}.{name}") if isinstance(spec, dict) else spec
     return built

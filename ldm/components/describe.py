@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ldm.components import Parts
 from ldm.components.build import module_from_config
-from ldm.components.tokenizers import write_slow_tokenizer_files
+from ldm.components.tokenizers import tokenizer_files, write_slow_tokenizer_files
 from ldm.config import import_target
 
 
@@ -25,10 +25,7 @@ def describe_parts(parts: Parts) -> dict:
     described = {}
     for name, part in parts.items():
         if isinstance(part, PreTrainedTokenizerBase):
-            with tempfile.TemporaryDirectory() as tmp:
-                part.save_pretrained(tmp)
-                files = {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
-            described[name] = {"class": class_path(part), "files": files}
+            described[name] = {"class": class_path(part), "files": tokenizer_files(part.save_pretrained)}
         else:
             config = part.config.to_dict() if hasattr(part.config, "to_dict") else dict(part.config)
             described[name] = {"class": class_path(part), "config": _plain(config)}

@@ -7,14 +7,13 @@ inference YAML other tools read is in `configs/models/original/`.
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from ldm.components import Parts
 from ldm.components.build import DEFAULT_CLASSES, NETWORK_PARTS
-from ldm.components.tokenizers import write_clip_tokenizer
+from ldm.components.tokenizers import tokenizer_files, write_clip_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -78,8 +77,6 @@ def family_description(family: Family) -> dict:
         described[name] = {"class": DEFAULT_CLASSES[name], "config": config}
     scheduler = json.loads((family.folder / "scheduler" / "scheduler_config.json").read_text())
     described["scheduler"] = {"class": f"diffusers.{scheduler['_class_name']}", "config": scheduler}
-    with tempfile.TemporaryDirectory() as tmp:
-        write_clip_tokenizer(tmp, pad_token=family.pad_token)
-        files = {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
+    files = tokenizer_files(lambda folder: write_clip_tokenizer(folder, pad_token=family.pad_token))
     described["tokenizer"] = {"class": DEFAULT_CLASSES["tokenizer"], "files": files}
     return described

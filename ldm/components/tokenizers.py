@@ -10,6 +10,8 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 BPE_FILENAME = "bpe_simple_vocab_16e6.txt.gz"
@@ -118,6 +120,14 @@ def write_clip_tokenizer(out_dir: str | Path, model_max_length: int = 77, pad_to
     (out / "tokenizer.json").unlink(missing_ok=True)
     fast = CLIPTokenizerFast.from_pretrained(str(out))
     fast.backend_tokenizer.save(str(out / "tokenizer.json"))
+
+
+def tokenizer_files(write: Callable[[str], object]) -> dict[str, str]:
+    """The text files `write(folder)` puts in a fresh folder (a tokenizer's `save_pretrained`, or
+    `write_clip_tokenizer`), by name: how checkpoints and single files carry a tokenizer."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write(tmp)
+        return {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
 
 
 def write_both_tokenizer_forms(folder: str | Path) -> None:

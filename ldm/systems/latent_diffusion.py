@@ -92,10 +92,10 @@ class LatentDiffusion(pl.LightningModule):
             else:
                 self._others[name] = part
         self._names = tuple(parts)
-        self.tokenizer, self.noise_scheduler = self._others["tokenizer"], self._others["scheduler"]
-        self.prediction_type = self.noise_scheduler.config.get("prediction_type", "epsilon")
+        scheduler = self._others["scheduler"]
+        self.prediction_type = scheduler.config.get("prediction_type", "epsilon")
         # Not a buffer: ZeRO / Gemini cast every floating buffer to fp16, and the schedule must stay float32.
-        self.alphas_cumprod = torch.as_tensor(self.noise_scheduler.alphas_cumprod, dtype=torch.float32)
+        self.alphas_cumprod = torch.as_tensor(scheduler.alphas_cumprod, dtype=torch.float32)
 
     @property
     def parts(self) -> Parts:

@@ -22,7 +22,7 @@ from ldm.components.memory import DTYPES
 from ldm.config import ConfigError, import_target, to_plain
 from ldm.training.model import latent_diffusion
 from ldm.training.strategies import TARGET as COLOSSAL_TARGET
-from ldm.training.strategies.options import group_flat_settings, resolved
+from ldm.training.strategies.options import resolved
 
 GIB = 1024**3
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
@@ -133,7 +133,8 @@ def plan_training_step(
         )
     configs = {name: _part_config(params, name) for name in NETWORK_PARTS}
     tokenizer = _tokenizer(params, configs["text_encoder"][1])
-    scheduler = build_part("scheduler", part_spec("scheduler", params.get("scheduler"), params.get("pretrained")), "")
+    scheduler_spec = part_spec("scheduler", params.get("scheduler"), params.get("pretrained"))
+    scheduler = build_part("scheduler", scheduler_spec, "model.params.scheduler")
 
     tracker = MemTracker()
     # Real tensors that meet fake ones (the noise schedule, token ids) become fake on the way.
@@ -222,6 +223,8 @@ class Placement:
 def place(plan: MemoryPlan, cfg: Any) -> Placement | None:
     """Split the traced step's memory over GPU, CPU and NVMe as the configured ColossalAIStrategy would.
 
+    `cfg` is a checked config (`ldm.training.checks.check_config`), its strategy settings in their groups.
+
     Arithmetic on the traced sizes: half-precision working weights (2 B/param), fp32 master weights
     (4 B), Adam moments (8 B). Gemini reuses its fp16 chunks for gradients unless accumulating; ZeRO
     keeps gradients beside the weights, or fp32 ones on the CPU with cpu_offload. Activations and
@@ -236,8 +239,7 @@ def place(plan: MemoryPlan, cfg: Any) -> Placement | None:
     nvme = float(optimizer.get("nvme_offload_fraction") or 0.0)
     accumulate = int(trainer.get("accumulate_grad_batches", 1)) > 1
     plugin = sp.get("plugin", "gemini")
-    grouped = group_flat_settings(sp)
-    gemini, zero = resolved("gemini", grouped.get("gemini")), resolved("zero", grouped.get("zero"))
+    gemini, zero = resolved("gemini", sp.get("gemini")), resolved("zero", sp.get("zero"))
     rows: list[tuple[str, str, str, int]] = []
 
     def split(part: str, state: str, nbytes: float, gpu_share: float) -> None:

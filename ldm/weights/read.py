@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ldm.components import Parts
-from ldm.components.build import PART_NAMES, build_part, build_parts, part_spec
+from ldm.components.build import PART_NAMES, build_parts
 from ldm.components.describe import parts_from_description
 from ldm.components.lora import add_lora, is_lora_key, merged
 from ldm.config import ConfigError
@@ -82,12 +82,7 @@ def load_pretrained(
         parts = read_parts(Path(pretrained).expanduser(), pretrained_ema, pretrained_family, where=f"{key}.pretrained")
     except ValueError as err:
         raise ConfigError(f"{key}.pretrained: {err}") from None
-    for name in PART_NAMES:
-        spec = specs.get(name)
-        if spec is not None:
-            spec = part_spec(name, spec, pretrained, key)
-            parts[name] = build_part(name, spec, f"{key}.{name}") if isinstance(spec, dict) else spec
-    return parts
+    return build_parts(pretrained, key, base=parts, **specs)
 
 
 def parts_from_checkpoint(ckpt: dict, ema: bool = False, merge: bool = True) -> Parts:

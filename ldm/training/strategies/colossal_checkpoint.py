@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import types
 from collections.abc import Generator
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from ldm.utils.atomic import replace_path
+from ldm.utils.atomic import PARTIAL_SUFFIX, remove_path, replace_path
 from ldm.weights.formats import COLOSSAL_FILES, Format, detect
 
 # torch reads this at every `torch.load` call (torch >= 2.4).
@@ -47,9 +46,9 @@ class BoosterCheckpoints:
         if storage_options is not None:
             raise TypeError("ColossalAIStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
-        partial = path.with_name(path.name + ".partial")
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
         if self.is_global_zero:
-            shutil.rmtree(partial, ignore_errors=True)
+            remove_path(partial)
             partial.mkdir(parents=True)
         self.barrier("colossalai_checkpoint_dir")
         shard = {"shard": True, "size_per_shard": self.checkpoint_shard_mb}
@@ -92,7 +91,7 @@ class BoosterCheckpoints:
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+            remove_path(Path(filepath))
 
     def _zero_optimizer(self) -> Any:
         optimizer = unwrap(self.optimizers[0]) if self.optimizers else None
