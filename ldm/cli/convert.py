@@ -6,6 +6,12 @@
 
 The format follows the path: a folder is a diffusers pipeline, `.safetensors` / `.ckpt` a single
 file; our checkpoints are recognised by their content.
+
+A round trip gives back every tensor of an original single file: what no diffusers part holds (the
+noise schedule buffers, the EMA copy beside the raw weights, OpenCLIP's last layer, `logit_scale`,
+`text_projection`, unknown keys) waits in the folder's `single_file_extras.safetensors` and is
+written back. With --ema the EMA weights become the model and the raw ones are not kept. A written
+single file carries `modelspec.*` metadata; for SD 2.x the original YAML goes beside it (`<stem>.yaml`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--src", required=True, help="diffusers folder, original .safetensors/.ckpt, or our checkpoint")
     parser.add_argument("--dst", required=True, help="folder (diffusers) or .safetensors / .ckpt (single file)")
     parser.add_argument("--half", action="store_true", help="write fp16 weights")
-    parser.add_argument("--ema", action="store_true", help="take the source's EMA weights")
+    parser.add_argument(
+        "--ema", action="store_true", help="take the source's EMA weights (the raw ones are then not kept)"
+    )
     parser.add_argument(
         "--family", choices=list(FAMILIES), help="for SD 2.x single files: which one (the weights cannot tell)"
     )

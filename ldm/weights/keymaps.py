@@ -7,12 +7,14 @@ drift apart. OpenCLIP (SD 2.x) fuses q/k/v into one tensor: such keys map to (na
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from ldm.components import Parts
 from ldm.weights.text_model import without_prefix
 
 UNET, VAE = "model.diffusion_model.", "first_stage_model."
 CLIP, OPEN_CLIP = "cond_stage_model.transformer.text_model.", "cond_stage_model.model."
+EMA = "model_ema."  # the UNet's EMA copy, one flat name per weight, beside the raw weights in full checkpoints
 
 
 class SingleFileError(ValueError):
@@ -139,6 +141,16 @@ def original_names(parts: Parts, text_layout: str) -> dict[str, tuple[str, int |
             raise SingleFileError(f"text_encoder weight {key!r} has no place in the OpenCLIP layout") from None
         names[f"text_encoder.{key}"] = (name if text_layout == "clip" else OPEN_CLIP + name, slot)
     return names
+
+
+def ema_name(original: str) -> str:
+    """Where an original file keeps the EMA copy of UNet weight `original`: `model_ema.` and its path without dots."""
+    return EMA + "".join(original[len("model.") :].split("."))
+
+
+def text_layout_of(keys: Iterable[str]) -> str:
+    """The text encoder layout of an original state dict's keys: "open_clip" (SD 2.x) or "clip"."""
+    return "open_clip" if any(k.startswith(OPEN_CLIP) for k in keys) else "clip"
 
 
 def is_vae_attention_weight(original: str) -> bool:

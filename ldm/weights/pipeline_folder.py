@@ -1,4 +1,9 @@
-"""Write parts as a diffusers pipeline folder that loads the same under transformers 4.51 and 5."""
+"""Write parts as a diffusers pipeline folder that loads the same under transformers 4.51 and 5.
+
+Parts read from an original single file carry the tensors no part holds (`ldm.weights.extras`); the
+folder keeps them in `single_file_extras.safetensors` at its root, which diffusers never reads, so a
+single file written from the folder gives them back.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +15,22 @@ from ldm.components.tokenizers import write_both_tokenizer_forms
 from ldm.sampling import build_pipeline
 from ldm.utils.atomic import atomic_path
 from ldm.weights import text_model
+from ldm.weights.extras import writable, write_extras
 
 
 def write_pipeline(parts: Parts, out_dir: str | Path, sampler: str = "ddim", half: bool = False) -> Path:
-    """Write parts as a diffusers `StableDiffusionPipeline` folder that loads under transformers 4.51 and 5."""
+    """Write parts as a diffusers `StableDiffusionPipeline` folder that loads under transformers 4.51 and 5,
+    with the extras the parts carry (`ldm.weights.extras`) at its root."""
+    extras = writable(parts, half)  # before `half`: is the UNet still the one the EMA copy averages?
     pipe = build_pipeline(parts, sampler)
     if half:
         for module in (pipe.unet, pipe.vae, pipe.text_encoder):
             module.half()
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
-    return make_portable(out_dir)
+    make_portable(out_dir)
+    write_extras(out_dir, parts, extras)
+    return out_dir
 
 
 def make_portable(folder: str | Path) -> Path:

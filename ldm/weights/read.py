@@ -1,7 +1,8 @@
 """Read parts from any weights format: a diffusers folder, one of our checkpoints, an original single file.
 
 The format is detected by `ldm.weights.formats.detect`; a file is one of our checkpoints when its
-content says so (whatever its name), else an original Stable Diffusion single file.
+content says so (whatever its name), else an original Stable Diffusion single file. Parts read from a
+single file, or from a diffusers folder that carries its extras, keep them (`ldm.weights.extras`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from ldm.components.describe import parts_from_description
 from ldm.components.lora import add_lora, is_lora_key, merged
 from ldm.config import ConfigError
 from ldm.weights.checkpoint import load_checkpoint, load_pickle
+from ldm.weights.extras import attach, read_extras
 from ldm.weights.formats import PICKLE_SUFFIXES, Format, detect, is_our_checkpoint
-from ldm.weights.single_file import load_single_file, split_pickle
+from ldm.weights.single_file import extras_from_file, load_single_file, split_pickle
 from ldm.weights.text_model import as_module_names
 
 log = logging.getLogger(__name__)
@@ -39,9 +41,10 @@ def read_parts(
         if ema or family:
             raise ValueError(f"{src}: a diffusers folder holds one set of weights; drop --ema / --family")
         try:
-            return build_parts(pretrained=str(src), key=where)
+            parts = build_parts(pretrained=str(src), key=where)
         except ConfigError as err:
             raise ValueError(str(err)) from None
+        return attach(parts, read_extras(src))
     if kind is Format.COLOSSAL:
         log.info("%s: %s: an ldm checkpoint folder", where, src)
         return parts_from_checkpoint(load_checkpoint(src), ema)
@@ -102,6 +105,33 @@ def parts_from_checkpoint(ckpt: dict, ema: bool = False, merge: bool = True) -> 
         module.load_state_dict(as_module_names(_part_state(state, name), module), assign=True)
         parts[name] = module.float().eval()  # parts trained or frozen in half precision come back as fp32
     return parts
+
+
+def with_base_extras(parts: Parts, ckpt: dict) -> Parts:
+    """`parts` rebuilt from `ckpt`, with the extras of the model its run started from (`model.params.pretrained`:
+    an original single file, or a diffusers folder that carries them), for a single file exported from a fine-tune.
+
+    The base's EMA copy comes back only if the UNet was not trained. Where the base cannot be read again (moved,
+    or now another model), the export goes on without extras, which no reader needs, and the log says why."""
+    params = (ckpt["ldm"].get("config") or {}).get("model", {}).get("params", {})
+    if not params.get("pretrained"):
+        return parts
+    base = Path(str(params["pretrained"])).expanduser()
+    kind = detect(base)
+    try:
+        if kind is Format.DIFFUSERS:
+            extras = read_extras(base)
+        elif kind is Format.FILE:
+            extras = extras_from_file(base, parts, bool(params.get("pretrained_ema")))
+            if extras is None:
+                log.info("%s: not an original single file of this architecture; exporting without its extras", base)
+        else:
+            log.info("%s (model.params.pretrained): %s; exporting without its extras", base, kind.value)
+            return parts
+    except ValueError as err:
+        log.info("model.params.pretrained: %s; exporting without its extras", err)
+        return parts
+    return attach(parts, extras)
 
 
 def _part_state(state: dict, name: str) -> dict:

@@ -6,12 +6,21 @@ A1111, ComfyUI and the original `ldm` code read one `.safetensors` / `.ckpt` hol
 
 The model family (`ldm.components.families`) decides the architecture configs, the tokenizer and
 the prediction type: a file is never paired with a prediction type guessed in a config. The key
-maps are in `ldm.weights.keymaps`.
+maps are in `ldm.weights.keymaps`. What a file holds beyond the parts (schedule buffers, EMA copy,
+OpenCLIP's last layer, ...) is read with them and written back (`ldm.weights.extras`).
+
+A written file says what it is the way other tools read it: the Stability AI model spec keys
+(`modelspec.*`) in a `.safetensors` header, and for SD 2.x, whose 512-base (epsilon) and 768-v
+(v-prediction) weights look alike, the original inference YAML as `<stem>.yaml` beside it, which
+AUTOMATIC1111 reads before guessing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +29,37 @@ import torch
 from ldm.components import Parts
 from ldm.components.build import NETWORK_PARTS
 from ldm.components.describe import describe_parts, parts_from_description
-from ldm.components.families import FAMILIES, Family, family_description, family_of
+from ldm.components.families import CONFIGS, FAMILIES, Family, family_description, family_of
 from ldm.utils.atomic import atomic_path
 from ldm.weights.checkpoint import load_pickle
-from ldm.weights.formats import PICKLE_SUFFIXES
-from ldm.weights.keymaps import CLIP, OPEN_CLIP, UNET, SingleFileError, is_vae_attention_weight, original_names
+from ldm.weights.extras import Extras, attach, extras_of, extras_read_with, fingerprint, writable
+from ldm.weights.formats import PICKLE_SUFFIXES, is_our_checkpoint
+from ldm.weights.keymaps import (
+    CLIP,
+    OPEN_CLIP,
+    UNET,
+    SingleFileError,
+    ema_name,
+    is_vae_attention_weight,
+    original_names,
+    text_layout_of,
+)
 
-EMA = "model_ema."
+log = logging.getLogger(__name__)
+
 METADATA_KEY = "ldm"  # safetensors metadata / pickle entry: JSON with family, layout and part configs
 # The global step of Stability's 512-base-ema.ckpt; diffusers keys SD 2 base off the same number.
 SD2_BASE_GLOBAL_STEP = 875000
+# Written by `to_original` for want of the real tensor; the real one, where a file gave it (an extra), wins.
+PLACEHOLDERS = (OPEN_CLIP + "text_projection",)
+# The Stability AI model spec (github.com/Stability-AI/ModelSpec): each family's architecture id, and the
+# implementation string sd-scripts writes for SD files in this key layout.
+MODELSPEC_ARCHITECTURES = {
+    "sd15": "stable-diffusion-v1",
+    "sd2-base": "stable-diffusion-v2-512",
+    "sd2-768-v": "stable-diffusion-v2-768-v",
+}
+MODELSPEC_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
 
 
 def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str, torch.Tensor]:
@@ -48,7 +78,8 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
     out.update({k: torch.cat(chunks) for k, chunks in fused.items()})
     if text_layout == "open_clip":
         # OpenCLIP's output projection, unused by SD 2.x (it conditions on hidden states) and so absent
-        # from CLIPTextModel; readers size the encoder from it, so it is written as the identity.
+        # from CLIPTextModel; readers size the encoder from it, so it is written as the identity (a
+        # placeholder: `save_single_file` writes the real one where the parts' source file gave it).
         width = parts.text_encoder.config.hidden_size
         out[OPEN_CLIP + "text_projection"] = torch.eye(width, dtype=out[OPEN_CLIP + "ln_final.weight"].dtype)
     dtype = torch.float16 if half else None
@@ -58,11 +89,15 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
 def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_layout: str | None = None) -> Path:
     """Write `parts` as an original Stable Diffusion single file: `.safetensors` (default) or `.ckpt`.
 
-    The file carries our part configs as metadata, so it reads back exactly, architecture and all.
+    The file carries our part configs as metadata, so it reads back exactly, architecture and all; the
+    tensors of the file the parts were read from that no part holds come back too (`ldm.weights.extras`).
+    The text encoder's layout is `text_layout`, else the family's, else that of the file the parts were read from.
+    For SD 2.x the original YAML goes beside it first (`config_beside`), so a published file always has it.
     """
-    family = family_of(parts)
-    layout = text_layout or (family.text_layout if family else "clip")
+    family, extras = family_of(parts), extras_of(parts)
+    layout = text_layout or (family.text_layout if family else extras.text_layout if extras else "clip")
     state = to_original(parts, layout, half)
+    state.update({k: v for k, v in writable(parts, half).items() if k not in state or k in PLACEHOLDERS})
     meta = {
         "family": family.name if family else "custom",
         "text_layout": layout,
@@ -72,14 +107,53 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
     path = Path(path)
     if path.suffix != ".safetensors" and path.suffix not in PICKLE_SUFFIXES:
         raise SingleFileError(f"{path}: a single file ends in .safetensors (recommended) or .ckpt")
+    yaml = config_beside(path, family)
+    if yaml is not None:
+        with atomic_path(yaml) as partial:
+            partial.write_bytes((CONFIGS / "original" / family.original_config).read_bytes())
+        log.info(
+            "%s: the original config beside it, for tools that cannot tell %s from the weights", yaml, family.title
+        )
     with atomic_path(path) as partial:
         if path.suffix == ".safetensors":
             from safetensors.torch import save_file
 
-            save_file(state, str(partial), metadata={"format": "pt", METADATA_KEY: json.dumps(meta)})
+            header = {"format": "pt", METADATA_KEY: json.dumps(meta), **modelspec(parts, family, path.stem)}
+            save_file(state, str(partial), metadata=header)
         else:
             torch.save({"state_dict": state, METADATA_KEY: meta}, partial)
     return path
+
+
+def config_beside(path: str | Path, family: Family | None) -> Path | None:
+    """Where the original YAML of a single file of `family` goes (`<stem>.yaml`, where AUTOMATIC1111 looks
+    first), or None where no tool needs it.
+
+    It is needed where another family has the same architecture and a different prediction type (SD 2.x
+    512-base and 768-v): A1111 then guesses the type by running the UNet on a test input, and
+    ComfyUI by the spread of one bias; SD 1.x has one type, and a custom architecture no original YAML."""
+    if family is None:
+        return None
+    twins = [f for f in FAMILIES.values() if f.text_layout == family.text_layout and f.name != family.name]
+    if not any(f.prediction_type != family.prediction_type for f in twins):
+        return None
+    return Path(path).with_suffix(".yaml")
+
+
+def modelspec(parts: Parts, family: Family | None, title: str) -> dict[str, str]:
+    """The Stability AI model spec keys (`modelspec.*`) of a single file of `family`: its required keys,
+    resolution and prediction type; none for a custom architecture, which has no architecture id."""
+    if family is None:
+        return {}
+    size = parts.unet.config.sample_size * 2 ** (len(parts.vae.config.block_out_channels) - 1)
+    return {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": MODELSPEC_ARCHITECTURES[family.name],
+        "modelspec.implementation": MODELSPEC_IMPLEMENTATION,
+        "modelspec.title": title,
+        "modelspec.resolution": f"{size}x{size}",
+        "modelspec.prediction_type": "v" if family.prediction_type == "v_prediction" else "epsilon",
+    }
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -170,12 +244,62 @@ def load_single_file(
     state, metadata, global_step = loaded or read_single_file(path, trust_pickle)
     detected, how = detect_family(state, metadata, global_step, family, where=str(path))
     parts = parts_from_description(metadata["parts"] if metadata.get("parts") else family_description(detected))
-    if ema:
-        state = _with_ema(state, path)
-    _load_original(parts, state, metadata.get("text_layout") or detected.text_layout, path)
+    layout = metadata.get("text_layout") or detected.text_layout
+    _load_original(parts, _with_ema(state, path) if ema else state, layout, path)
+    extras = {k: state[k] for k in extra_keys(state, parts, layout, ema) if isinstance(state[k], torch.Tensor)}
+    attach(parts, extras_read_with(parts, extras, str(path), layout))
     title = detected.title if detected else "a custom architecture"
     prediction = parts.scheduler.config.get("prediction_type", "epsilon")
-    return parts, f"{path}: {title} ({prediction}), {how}"
+    kept = f"; {len(extras)} tensors no part holds kept beside them" if extras else ""
+    return parts, f"{path}: {title} ({prediction}), {how}{kept}"
+
+
+def extra_keys(keys: Iterable[str], parts: Parts, layout: str, ema: bool = False) -> list[str]:
+    """The keys of an original state dict that `parts` do not take: the extras, written back on export.
+
+    With `ema`, the UNet takes the EMA copy; the raw weights it replaces are not kept, since they could
+    come back only by displacing the weights the user chose (readers load `model.diffusion_model.*`)."""
+    used = {original for original, _ in original_names(parts, layout).values()}
+    if ema:
+        used |= {ema_name(k) for k in used if k.startswith(UNET)}
+    return [k for k in keys if k not in used]
+
+
+def extras_from_file(path: str | Path, parts: Parts, ema: bool = False) -> Extras | None:
+    """The extras of the single file `path` for `parts` made from it (a fine-tune, say), read again; None when
+    `path` is one of our checkpoints or not the architecture of `parts`. Reads only the tensors it needs from
+    a `.safetensors` file."""
+    path = Path(path)
+    with _tensors_of(path) as (keys, get):
+        if keys is None:
+            return None
+        layout = text_layout_of(keys)
+        names = original_names(parts, layout)
+        present = set(keys)
+        if any(original not in present for original, _ in names.values()):
+            return None
+        extras = Extras({k: get(k) for k in extra_keys(keys, parts, layout, ema)}, str(path), layout)
+        if extras.ema:
+            unet = sorted((k.removeprefix("unet."), o) for k, (o, _) in names.items() if k.startswith("unet."))
+            extras.unet_fingerprint = fingerprint((k, get(ema_name(o) if ema else o)) for k, o in unet)
+    return extras
+
+
+@contextlib.contextmanager
+def _tensors_of(path: Path) -> Iterator[tuple[list[str] | None, Callable[[str], torch.Tensor]]]:
+    """(keys, key -> tensor) of a single file: lazily from safetensors; (None, ...) for one of our checkpoints."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import safe_open
+
+        with safe_open(str(path), "pt") as handle:
+            yield list(handle.keys()), handle.get_tensor
+        return
+    obj = load_pickle(path)
+    if is_our_checkpoint(obj):
+        yield None, dict.__getitem__
+        return
+    state = split_pickle(obj, path)[0]
+    yield [k for k, v in state.items() if isinstance(v, torch.Tensor)], state.__getitem__
 
 
 def _with_ema(state: dict, path: Path) -> dict:
@@ -183,7 +307,7 @@ def _with_ema(state: dict, path: Path) -> dict:
     ema = {}
     for key in state:
         if key.startswith(UNET):
-            flat = EMA + "".join(key[len("model.") :].split("."))
+            flat = ema_name(key)
             if flat not in state:
                 raise SingleFileError(
                     f"{path}: has no EMA weights ({flat} missing); its UNet weights may be the EMA ones already "
