@@ -71,7 +71,7 @@ def test_diffusers_load_lora_weights_reproduces_our_model(lora_run, tiny_sd, tmp
     untouched = outputs(base.unet, base.text_encoder, base.tokenizer)
     out = tmp_path / "lora"
     ckpt_arg = ["--ckpt", lora_run / "checkpoints" / "last.ckpt"]
-    run_script("export_lora.py", *ckpt_arg, "--out", out)
+    run_script("export_lora.py", *ckpt_arg, "--out", out, "--format", "diffusers")
     base.load_lora_weights(out, weight_name=LORA_FILE)  # diffusers 0.29 offline needs the name
     loaded = outputs(base.unet, base.text_encoder, base.tokenizer)
     for mine, theirs, before in zip(expected, loaded, untouched):

@@ -2,8 +2,9 @@
 text encoder, through peft; merged back into plain weights, or exported as a diffusers LoRA file.
 
 A LoRA layer adds `(alpha / rank) * B @ A` to a frozen weight. Checkpoints hold only A and B (and
-their EMA); the frozen base is read again from `model.params.pretrained`. Writing LoRA files for other
-tools is `ldm.weights.lora_file`.
+their EMA); the frozen base is read again from `model.params.pretrained`. Adapters may start from a
+LoRA file (`init_from`, kohya's or diffusers' format: `ldm.components.lora_keys`); writing LoRA files
+for other tools is `ldm.weights.lora_file`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from ldm.components import Parts
 from ldm.components.build import module_from_config
-from ldm.config import ConfigError
+from ldm.components.lora_keys import PART_TITLES, Adapter, lora_modules, read_adapters
+from ldm.config import ConfigError, ExistingPath
 
 DEFAULT_TARGETS = {
     "unet": ["to_q", "to_k", "to_v", "to_out.0"],  # the attention projections of every transformer block
@@ -25,16 +27,24 @@ DEFAULT_RANK = 4
 
 
 class LoraSpec(TypedDict, total=False):
-    """`model.params.lora`: adapters on each part in `model.params.trainable` (the UNet by default)."""
+    """`model.params.lora`: adapters on each part in `model.params.trainable` (the UNet by default).
+
+    `init_from` starts them from a LoRA file (kohya's or diffusers' format), whose rank, alpha and
+    modules are used where these keys are not set: a set `rank` must be the file's; a set `alpha`
+    rescales the file's up weights, so the adapted model is the file's either way; set target modules
+    must include every module the file adapts. A trainable part the file has no adapters for gets
+    fresh ones."""
 
     rank: int
     alpha: float
     dropout: float
     target_modules: list[str]
     text_encoder_target_modules: list[str]
+    init_from: ExistingPath
 
 
 def lora_config(spec: dict, part: str):
+    """peft's `LoraConfig` for `part` from a `LoraSpec`."""
     from peft import LoraConfig
 
     rank = int(spec.get("rank", DEFAULT_RANK))
@@ -48,8 +58,11 @@ def lora_config(spec: dict, part: str):
     )
 
 
-def add_lora(parts: Parts, trainable: tuple[str, ...], spec: dict, key: str = "model.params.lora") -> None:
-    """Freeze `trainable` parts and give each LoRA adapters, the only weights that train (kept in fp32).
+def add_lora(
+    parts: Parts, trainable: tuple[str, ...], spec: dict, key: str = "model.params.lora", where: str | None = None
+) -> None:
+    """Freeze `trainable` parts and give each LoRA adapters, the only weights that train (kept in fp32),
+    started from the file `spec["init_from"]` if set (errors about it name `where`, by default `key.init_from`).
 
     peft's own injection, for every part alike: transformers 5's `add_adapter` needs a newer peft
     than the stacks we support."""
@@ -60,6 +73,14 @@ def add_lora(parts: Parts, trainable: tuple[str, ...], spec: dict, key: str = "m
         raise ConfigError(f"{key}.{sorted(unknown)[0]}: unknown key; valid: {', '.join(LoraSpec.__annotations__)}")
     if int(spec.get("rank", DEFAULT_RANK)) < 1:
         raise ConfigError(f"{key}.rank: got {spec['rank']}; a LoRA rank is a positive integer")
+    where = where or f"{key}.init_from"
+    loaded = {}
+    if spec.get("init_from"):
+        try:
+            loaded = read_adapters(spec["init_from"], parts, where)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+        spec = _with_file_defaults(spec, loaded, trainable, key, where)
     for name in trainable:
         module = getattr(parts, name)
         module.requires_grad_(False)
@@ -70,6 +91,67 @@ def add_lora(parts: Parts, trainable: tuple[str, ...], spec: dict, key: str = "m
         for param in module.parameters():
             if param.requires_grad:
                 param.data = param.data.float()
+        if name in loaded:
+            _load_adapters(module, name, loaded[name], float(spec["alpha"]), key, where)
+
+
+def _with_file_defaults(spec: dict, loaded: dict, trainable: tuple[str, ...], key: str, where: str) -> dict:
+    """`spec` with the rank, alpha and (per part, where not set) target modules of the adapters read from a file."""
+    file = spec["init_from"]
+    for part, adapters in loaded.items():
+        if part not in trainable:
+            example = next(iter(adapters.values())).key
+            trainable_key = f"{key.rpartition('.')[0]}.trainable" if "." in key else "trainable"
+            raise ConfigError(
+                f"{where}: {file} has adapters for the {PART_TITLES[part]} ({example}, ...); add {part} to "
+                f"{trainable_key} to train them"
+            )
+    adapters = [adapter for part in loaded.values() for adapter in part.values()]
+    by_rank: dict[int, Adapter] = {}
+    for adapter in adapters:
+        by_rank.setdefault(adapter.rank, adapter)
+    if len(by_rank) > 1:
+        examples = ", ".join(f"{a.key} (rank {r})" for r, a in sorted(by_rank.items()))
+        raise ConfigError(
+            f"{where}: {file} holds adapters of several ranks: {examples}; one rank per file is supported"
+        )
+    (rank,) = by_rank
+    if "rank" in spec and int(spec["rank"]) != rank:
+        raise ConfigError(
+            f"{key}.rank: {spec['rank']}, but {where} {file} holds rank-{rank} adapters ({by_rank[rank].key}); "
+            f"set {key}.rank: {rank}, or remove it to take the file's"
+        )
+    alphas = {adapter.alpha for adapter in adapters}
+    resolved = {**spec, "rank": rank, "alpha": spec.get("alpha", alphas.pop() if len(alphas) == 1 else rank)}
+    for part, modules in loaded.items():
+        if not spec.get(TARGETS_KEY[part]):
+            resolved[TARGETS_KEY[part]] = sorted(modules)
+    return resolved
+
+
+def _load_adapters(
+    module: torch.nn.Module, part: str, adapters: dict[str, Adapter], alpha: float, key: str, where: str
+) -> None:
+    """Copy a file's adapters into the peft layers of `module`: A = down, B = up * file alpha / `alpha`."""
+    layers = lora_modules(module)
+    for path, adapter in adapters.items():
+        layer = layers.get(path)
+        if layer is None:
+            raise ConfigError(
+                f"{where}: {adapter.key} adapts {part} module {path}, which {key}.{TARGETS_KEY[part]} does not "
+                f"target; add it there, or remove {key}.{TARGETS_KEY[part]} to take the file's modules"
+            )
+        for name in layer.lora_A:
+            pairs = ((layer.lora_A[name].weight, adapter.down, "down"), (layer.lora_B[name].weight, adapter.up, "up"))
+            for weight, tensor, role in pairs:
+                if tensor.squeeze().shape != weight.squeeze().shape:
+                    raise ConfigError(
+                        f"{where}: {adapter.key}: the {role} weight is {tuple(tensor.shape)}, but {part} module "
+                        f"{path} takes {tuple(weight.shape)}; the file is for another model"
+                    )
+                scale = adapter.alpha / alpha if role == "up" else 1.0
+                with torch.no_grad():
+                    weight.copy_((tensor.float() * scale).reshape(weight.shape))
 
 
 def is_lora_key(key: str) -> bool:
