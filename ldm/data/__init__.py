@@ -3,6 +3,8 @@
 `DataModule` wraps a dataset given by `target` (the user's own, or one of ours), shuffles it
 with a seeded sampler whose position is saved in every checkpoint, applies caption dropout for
 classifier-free guidance, and can encode every image once with the model's VAE (`cache_latents`).
+A dataset that serves some examples more than once an epoch (a kohya folder's repeats) says which with
+`example_index` (index i serves distinct example `example_index[i]`), and the caches encode each once.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ldm.config import ConfigError, TargetSpec, instantiate
 
@@ -91,20 +93,37 @@ class _TextCache:
         return {k: v[row] for k, v in self.embeddings.items()}
 
 
+def _once_each(dataset: Dataset) -> tuple[Dataset, torch.Tensor | None]:
+    """`dataset` with each distinct example once, and for each index of `dataset` the row of that one it serves.
+
+    A dataset without `example_index` serves each example once already: it comes back as it is, with None."""
+    example_index = getattr(dataset, "example_index", None)
+    if example_index is None:
+        return dataset, None
+    first: dict[int, int] = {}
+    for index, example in enumerate(example_index):
+        first.setdefault(example, index)
+    row = {example: i for i, example in enumerate(first)}
+    return Subset(dataset, list(first.values())), torch.tensor([row[example] for example in example_index])
+
+
 class _LatentCache(Dataset):
     """Examples whose images were encoded once: the VAE posterior's mean and, when the model draws
-    from the posterior each step, its standard deviation."""
+    from the posterior each step, its standard deviation; index i serves row `rows[i]` (i if None)."""
 
-    def __init__(self, latents: torch.Tensor, stds: torch.Tensor | None, captions: list[str]) -> None:
-        self.latents, self.stds, self.captions = latents, stds, captions
+    def __init__(
+        self, latents: torch.Tensor, stds: torch.Tensor | None, captions: list[str], rows: torch.Tensor | None
+    ) -> None:
+        self.latents, self.stds, self.captions, self.rows = latents, stds, captions, rows
 
     def __len__(self) -> int:
-        return len(self.captions)
+        return len(self.captions) if self.rows is None else len(self.rows)
 
     def __getitem__(self, index: int) -> dict:
-        example = {"latents": self.latents[index], "caption": self.captions[index]}
+        row = index if self.rows is None else int(self.rows[index])
+        example = {"latents": self.latents[row], "caption": self.captions[row]}
         if self.stds is not None:
-            example["latent_std"] = self.stds[index]
+            example["latent_std"] = self.stds[row]
         return example
 
 
@@ -187,7 +206,8 @@ class DataModule(pl.LightningDataModule):
     def _encode_all(self, dataset: Dataset) -> Dataset:
         model = self.trainer.lightning_module
         means, stds, captions = [], [], []
-        for batch in self._one_pass(dataset):
+        once, rows = _once_each(dataset)
+        for batch in self._one_pass(once):
             mean, std = model.encode_posterior(batch["pixel_values"])  # std is None unless model.sample_latents
             means.append(mean.cpu())
             if std is not None:
@@ -195,7 +215,7 @@ class DataModule(pl.LightningDataModule):
             captions.extend(batch["caption"])
         kept = "posterior mean and deviation; a latent is drawn from them each step" if stds else "mean"
         log.info("cache_latents: encoded %d images once with the model's VAE (%s)", len(captions), kept)
-        return _LatentCache(torch.cat(means), torch.cat(stds) if stds else None, captions)
+        return _LatentCache(torch.cat(means), torch.cat(stds) if stds else None, captions, rows)
 
     @torch.no_grad()
     def _encode_captions(self, dataset: Dataset) -> _TextCache:
@@ -208,9 +228,10 @@ class DataModule(pl.LightningDataModule):
                 "so its embeddings change every step; set cache_text: false or train the UNet only"
             )
         if isinstance(dataset, _LatentCache):
-            captions = dataset.captions
+            captions, rows = dataset.captions, dataset.rows
         else:  # one pass over the data, images included: datasets need not expose their captions
-            captions = [caption for batch in self._one_pass(dataset) for caption in batch["caption"]]
+            once, rows = _once_each(dataset)
+            captions = [caption for batch in self._one_pass(once) for caption in batch["caption"]]
         distinct = list(dict.fromkeys(captions))
         position = {caption: i for i, caption in enumerate(distinct)}
         was_training = model.training
@@ -222,7 +243,8 @@ class DataModule(pl.LightningDataModule):
             model.train(was_training)
         log.info("cache_text: encoded %d distinct captions once with the model's text encoder", len(distinct))
         embeddings = {k: torch.cat([chunk[k].cpu() for chunk in chunks]) for k in chunks[0]}
-        return _TextCache(embeddings, torch.tensor([position[c] for c in captions]), empty)
+        caption_ids = torch.tensor([position[c] for c in captions])
+        return _TextCache(embeddings, caption_ids if rows is None else caption_ids[rows], empty)
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
