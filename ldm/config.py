@@ -13,7 +13,8 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, NewType, TypedDict, Union
@@ -27,6 +28,36 @@ ExistingPath = NewType("ExistingPath", str)
 
 class ConfigError(ValueError):
     """A user mistake in a config file or a command-line override."""
+
+
+class ConfigErrors(ConfigError):
+    """Several mistakes found by one check, one line each (`str` joins them with newlines)."""
+
+    def __init__(self, errors: Sequence[ConfigError]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(str(e) for e in self.errors))
+
+
+class Problems:
+    """Collect the errors of independent checks (`with problems.check(): ...`); `raise_any()` raises them all."""
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+
+    @contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as err:
+            for one in err.errors if isinstance(err, ConfigErrors) else [err]:
+                if str(one) not in map(str, self.errors):
+                    self.errors.append(one)
+
+    def raise_any(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ConfigErrors(self.errors)
 
 
 class TargetSpec(TypedDict, total=False):
@@ -106,9 +137,11 @@ def load_config(files: Sequence[str | os.PathLike], overrides: Sequence[str] = (
         merged = OmegaConf.merge(*layers) if layers else OmegaConf.create()
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
-            raise ConfigError(
-                f"{missing[0]} ({sources.where(missing[0])}): required value (???) not set; "
-                f"pass it on the command line as {missing[0]}=VALUE"
+            raise ConfigErrors(
+                [
+                    ConfigError(f"{k} ({sources.where(k)}): required value (???) not set; pass it as {k}=VALUE")
+                    for k in missing
+                ]
             )
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as err:
@@ -144,15 +177,19 @@ def check_target_node(node: Any, key: str, sources: Sources | None = None, suppl
     """
     if not isinstance(node, Mapping) or "target" not in node:
         fail(sources, key, "must be a mapping with a `target` (and optional `params`)")
+    problems = Problems()
     for k in node:
         if k not in ("target", "params"):
-            fail(sources, f"{key}.{k}", "unknown key; a target node has only `target` and `params`")
-    target = import_target(node["target"], f"{key}.target", sources)
-    params = node.get("params") or {}
-    if not isinstance(params, Mapping):
-        fail(sources, f"{key}.params", f"must be a mapping, got {_show(params)}")
-    if not callable(target):
-        fail(sources, f"{key}.target", f"{node['target']} is not a class or function to call")
+            with problems.check():
+                fail(sources, f"{key}.{k}", "unknown key; a target node has only `target` and `params`")
+    with problems.check():
+        target = import_target(node["target"], f"{key}.target", sources)
+        params = node.get("params") or {}
+        if not isinstance(params, Mapping):
+            fail(sources, f"{key}.params", f"must be a mapping, got {_show(params)}")
+        if not callable(target):
+            fail(sources, f"{key}.target", f"{node['target']} is not a class or function to call")
+    problems.raise_any()
     sig = signature(target)
     positional = [n for n, p in sig.parameters.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
     if supplied and positional and supplied[0] not in sig.parameters:
@@ -161,8 +198,11 @@ def check_target_node(node: Any, key: str, sources: Sources | None = None, suppl
         supplied = (positional[0], *supplied[1:])
     for name in supplied:
         if name in params:
-            fail(sources, f"{key}.params.{name}", "is set by the code that builds this target; remove it")
-    check_params(params, sig, f"{key}.params", sources, skip=supplied, supplied=supplied)
+            with problems.check():
+                fail(sources, f"{key}.params.{name}", "is set by the code that builds this target; remove it")
+    with problems.check():
+        check_params(params, sig, f"{key}.params", sources, skip=supplied, supplied=supplied)
+    problems.raise_any()
 
 
 def signature(target: Any) -> inspect.Signature:
@@ -183,25 +223,33 @@ def check_params(
     skip: Sequence[str] = (),
     supplied: Sequence[str] = (),
 ) -> None:
-    """Check `params` against a signature: unknown names, missing required ones, value types."""
+    """Check `params` against a signature: unknown names, missing required ones, value types; every
+    mistake is reported (`ConfigErrors`), not only the first."""
     accepted = {n: p for n, p in sig.parameters.items() if n != "self"}
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    problems = Problems()
     for name, value in params.items():
         where = f"{key}.{name}"
         if name in skip:
             continue
-        if name not in accepted or accepted[name].kind in (accepted[name].VAR_POSITIONAL, accepted[name].VAR_KEYWORD):
-            if takes_kwargs:
-                continue
-            valid = ", ".join(
-                n for n, p in accepted.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in skip
-            )
-            fail(sources, where, f"unknown parameter; valid: {valid}")
-        check_value(value, accepted[name].annotation, where, sources)
+        with problems.check():
+            if name not in accepted or accepted[name].kind in (
+                accepted[name].VAR_POSITIONAL,
+                accepted[name].VAR_KEYWORD,
+            ):
+                if takes_kwargs:
+                    continue
+                valid = ", ".join(
+                    n for n, p in accepted.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in skip
+                )
+                fail(sources, where, f"unknown parameter; valid: {valid}")
+            check_value(value, accepted[name].annotation, where, sources)
     for name, p in accepted.items():
         required = p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         if required and name not in params and name not in supplied:
-            fail(sources, f"{key}.{name}", "missing required parameter")
+            with problems.check():
+                fail(sources, f"{key}.{name}", "missing required parameter")
+    problems.raise_any()
 
 
 def check_value(value: Any, annotation: Any, key: str, sources: Sources | None = None) -> None:
@@ -248,10 +296,13 @@ def _matches(value: Any, ann: Any, key: str, sources: Sources | None) -> bool:
         if not isinstance(value, Mapping):
             return False
         hints = typing.get_type_hints(ann)
+        problems = Problems()
         for k, v in value.items():
-            if k not in hints:
-                fail(sources, f"{key}.{k}", f"unknown key; valid: {', '.join(hints)}")
-            check_value(v, hints[k], f"{key}.{k}", sources)
+            with problems.check():
+                if k not in hints:
+                    fail(sources, f"{key}.{k}", f"unknown key; valid: {', '.join(hints)}")
+                check_value(v, hints[k], f"{key}.{k}", sources)
+        problems.raise_any()
         if ann is TargetSpec:
             check_target_node(value, key, sources)
         return True

@@ -121,7 +121,7 @@ def test_main_prints_one_line_and_exits_2(capsys, valid, tmp_path):
     code = main(["-t", "-b", str(SD_FOLDER), "-l", str(tmp_path), *valid, "model.params.snr_gamma=high"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err == ["config error: model.params.snr_gamma (command line): expected float or null, got str 'high'"]
+    assert err == ["model.params.snr_gamma (command line): expected float or null, got str 'high'"]
     assert not list(tmp_path.iterdir()), "nothing is written when the config is invalid"
 
 
@@ -171,7 +171,7 @@ def test_bad_values_anywhere_are_one_line_naming_the_key(override, message, caps
     code = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[-1].startswith(f"config error: {message}"), err[-1]
+    assert err[-1].startswith(message), err[-1]
     assert not list((tmp_path / "logs").glob("*/checkpoints/*")), "no checkpoint"
 
 
@@ -187,7 +187,7 @@ def test_an_error_names_the_key_its_value_came_from(capsys, tiny_sd, tmp_path):
     )
     assert main(["-t", "-b", str(config), "-l", str(tmp_path / "logs")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("config error: data.params.dataset.params.root: no images (.png"), err
+    assert err.startswith("data.params.dataset.params.root: no images (.png"), err
 
 
 def test_targets_that_moved_still_load_with_a_notice(valid, caplog):

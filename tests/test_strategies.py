@@ -28,10 +28,15 @@ def test_old_placement_policies_become_gemini_static_offload():
     assert kept["params"] == {"plugin": "gemini", "loss_scale": {"initial_scale": 1024, "hysteresis": 3}}
 
 
+def test_use_chunk_false_trains_the_same_under_gemini():
+    """The Colossal-AI example's train_pokemon.yaml says use_chunk: False; it only decided the memory layout."""
+    translated = translate_legacy_strategy({"target": "x", "params": {"use_chunk": False, "initial_scale": 65536}})
+    assert translated["params"] == {"plugin": "gemini", "loss_scale": {"initial_scale": 65536}}
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"use_chunk": False}, r"params\.use_chunk: Gemini always manages parameters in chunks; remove use_chunk"),
         ({"placement_policy": "gpu"}, r"params\.placement_policy: got 'gpu'; valid: 'cuda', 'cpu', 'auto'"),
         ({"chunk_search_n_grids": 4}, r"params\.chunk_search_n_grids: Colossal-AI no longer has this setting"),
         ({"stage": 3}, r"params\.stage: not a parameter of the old ColossalAIStrategy"),

@@ -22,8 +22,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("-n", "--name", default=None, help="run name (default: first config's file name)")
     parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default: 23)")
     parser.add_argument("-r", "--resume", default=None, metavar="PATH|auto", help="continue a run or checkpoint")
+    parser.add_argument(
+        "--scale_lr",
+        type=_boolean,
+        default=True,
+        metavar="true|false",
+        help="scale model.base_learning_rate by accumulation x devices x batch size, as CompVis (default: true)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides; win over files")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after flags
+
+
+def _boolean(value: str) -> bool:
+    if value.lower() not in ("true", "false", "yes", "no", "1", "0"):
+        raise argparse.ArgumentTypeError(f"got {value!r}; valid: true, false")
+    return value.lower() in ("true", "yes", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{Path(sys.argv[0]).name}: nothing to do; pass -t to train", file=sys.stderr)
         return 2
     try:
-        run_dir = train(args.base, args.overrides, args.logdir, args.name, args.seed, args.resume)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        run_dir = train(args.base, args.overrides, args.logdir, args.name, args.seed, args.resume, args.scale_lr)
+    except ConfigError as err:  # every mistake found, one line each, the key path first
+        print(err, file=sys.stderr)
         return 2
     except CheckpointError as err:
         print(f"checkpoint error: {err}", file=sys.stderr)

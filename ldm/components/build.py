@@ -36,7 +36,7 @@ class PartSpec(TypedDict, total=False):
     """How to get one part: from a local folder (`pretrained`, `subfolder`) or a `config` dict.
 
     `target` names the class when it is not the part's default. A tokenizer's `config` is
-    `{vocab: clip, model_max_length: N}`: the real SD 1.x CLIP tokenizer, written offline.
+    `{vocab: clip, model_max_length: N, pad_token: T}`: the real CLIP tokenizer, written offline (SD 2.x pads with "!").
     """
 
     target: str
@@ -121,9 +121,10 @@ def _tokenizer_from_config(cls: type, config: dict, key: str) -> Any:
     vocab = config.get("vocab", "clip")
     if vocab != "clip":
         raise ConfigError(f"{key}.config.vocab: got {vocab!r}; valid: 'clip'")
-    unknown = set(config) - {"vocab", "model_max_length"}
+    unknown = set(config) - {"vocab", "model_max_length", "pad_token"}
     if unknown:
-        raise ConfigError(f"{key}.config.{sorted(unknown)[0]}: unknown key; valid: vocab, model_max_length")
+        raise ConfigError(f"{key}.config.{sorted(unknown)[0]}: unknown key; valid: vocab, model_max_length, pad_token")
     with tempfile.TemporaryDirectory() as tmp:
-        write_clip_tokenizer(tmp, model_max_length=int(config.get("model_max_length", 77)))
+        extra = {"pad_token": str(config["pad_token"])} if "pad_token" in config else {}
+        write_clip_tokenizer(tmp, model_max_length=int(config.get("model_max_length", 77)), **extra)
         return cls.from_pretrained(tmp, local_files_only=True)

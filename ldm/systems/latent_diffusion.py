@@ -37,6 +37,7 @@ class Optimization:
     optimizer: dict = field(default_factory=lambda: {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}})
     lr_schedule: str = "constant"  # constant | linear | cosine, after lr_warmup_steps
     lr_warmup_steps: int = 0
+    lr_lambda: Callable[[int], float] | None = None  # a factor of the LR per step, instead of lr_schedule
 
 
 class LatentDiffusion(pl.LightningModule):
@@ -200,6 +201,9 @@ class LatentDiffusion(pl.LightningModule):
             optimizer = optimizer_cls(self.trained_parameters(), lr=opt.learning_rate, **(spec.get("params") or {}))
         except ValueError as err:  # e.g. betas out of range
             raise ConfigError(f"model.params.optimizer.params: {spec['target']} rejects them: {err}") from None
+        if opt.lr_lambda is not None:
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, opt.lr_lambda)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
         total = self.trainer.estimated_stepping_batches if opt.lr_schedule != "constant" else None
         name = "constant_with_warmup" if opt.lr_schedule == "constant" else opt.lr_schedule
         schedule = get_scheduler(

@@ -15,8 +15,19 @@ from collections.abc import Mapping
 from lightning.pytorch import LightningDataModule, Trainer
 from omegaconf import DictConfig, ListConfig
 
-from ldm.config import ConfigError, Sources, check_params, check_target_node, fail, import_target, signature, to_plain
+from ldm.config import (
+    ConfigError,
+    Problems,
+    Sources,
+    check_params,
+    check_target_node,
+    fail,
+    import_target,
+    signature,
+    to_plain,
+)
 from ldm.training.callbacks.checkpoints import Checkpoints
+from ldm.training.compvis import translate_compvis
 from ldm.training.strategies import TARGET as COLOSSAL_TARGET
 from ldm.training.strategies.legacy import LEGACY_TARGETS, translate_legacy_strategy
 from ldm.training.strategies.options import group_flat_settings
@@ -51,69 +62,89 @@ def translate_moved_targets(node: DictConfig | ListConfig, key: str = "") -> Non
             translate_moved_targets(value, where)
 
 
-def check_config(cfg: DictConfig, sources: Sources | None = None) -> None:
-    """Check the whole config before anything is built; raise one `ConfigError` naming the key."""
+def check_config(cfg: DictConfig, sources: Sources | None = None, scale_lr: bool = True) -> None:
+    """Check the whole config before anything is built; raise every mistake found, one line each.
+
+    A config in the CompVis / Colossal-AI shape is first translated onto ours (`ldm.training.compvis`),
+    with `scale_lr` deciding whether `model.base_learning_rate` is scaled by the batch size."""
     sources = sources or Sources()
+    problems = Problems()
     translate_moved_targets(cfg)
+    with problems.check():
+        translate_compvis(cfg, sources, scale_lr)
     for key in cfg:
         if key not in TOP_LEVEL_KEYS:
-            fail(sources, str(key), f"unknown section; valid sections: {', '.join(TOP_LEVEL_KEYS)}")
+            with problems.check():
+                fail(sources, str(key), f"unknown section; valid sections: {', '.join(TOP_LEVEL_KEYS)}")
     for section in ("model", "data"):
-        if section not in cfg:
-            raise ConfigError(f"{section}: missing section; every config needs `{section}: {{target, params}}`")
-        if section == "data" and isinstance(cfg.data, Mapping) and "target" in cfg.data:
-            _check_datamodule(cfg.data.target, sources)
-        check_target_node(cfg[section], section, sources)
+        with problems.check():
+            if section not in cfg:
+                raise ConfigError(f"{section}: missing section; every config needs `{section}: {{target, params}}`")
+            if section == "data" and isinstance(cfg.data, Mapping) and "target" in cfg.data:
+                _check_datamodule(cfg.data.target, sources)
+            check_target_node(cfg[section], section, sources)
     lightning = cfg.get("lightning") or {}
     if not isinstance(lightning, Mapping):
         fail(sources, "lightning", "must be a mapping")
     for key in lightning:
         if key not in LIGHTNING_KEYS:
-            fail(sources, f"lightning.{key}", f"unknown key; valid keys: {', '.join(LIGHTNING_KEYS)}")
+            with problems.check():
+                fail(sources, f"lightning.{key}", f"unknown key; valid keys: {', '.join(LIGHTNING_KEYS)}")
     trainer = lightning.get("trainer") or {}
-    check_params(trainer, _trainer_signature(), "lightning.trainer", sources, skip=("strategy",))
-    strategy = trainer.get("strategy")
-    if isinstance(strategy, Mapping):
-        if strategy.get("target") in LEGACY_TARGETS:  # configs written for Lightning 1.x's ColossalAIStrategy
-            cfg.lightning.trainer.strategy = translate_legacy_strategy(strategy)
-            strategy = cfg.lightning.trainer.strategy
-        elif strategy.get("target") == COLOSSAL_TARGET and isinstance(strategy.get("params"), Mapping):
-            try:  # its settings, written directly under params before they were grouped
-                cfg.lightning.trainer.strategy.params = group_flat_settings(to_plain(strategy.params))
-            except ConfigError as err:
-                fail(sources, *str(err).split(": ", 1))
-            strategy = cfg.lightning.trainer.strategy
-        check_target_node(strategy, "lightning.trainer.strategy", sources)
-        check_whole = getattr(import_target(strategy["target"]), "check_run_config", None)
-        if check_whole is not None:  # combinations a strategy cannot train, e.g. an optimizer it cannot drive
-            check_whole(cfg, sources)
+    with problems.check():
+        check_params(trainer, _trainer_signature(), "lightning.trainer", sources, skip=("strategy",))
+    with problems.check():
+        _check_strategy(cfg, trainer.get("strategy"), sources)
     callbacks = lightning.get("callbacks") or {}
-    if not isinstance(callbacks, Mapping):
-        fail(sources, "lightning.callbacks", "must be a mapping of name: {target, params}")
-    for name, node in callbacks.items():
-        if node is not None:  # `lightning.callbacks.NAME=null` switches off a callback a base config adds
-            check_target_node(node, f"lightning.callbacks.{name}", sources)
+    with problems.check():
+        if not isinstance(callbacks, Mapping):
+            fail(sources, "lightning.callbacks", "must be a mapping of name: {target, params}")
+        for name, node in callbacks.items():
+            if node is not None:  # `lightning.callbacks.NAME=null` switches off a callback a base config adds
+                with problems.check():
+                    check_target_node(node, f"lightning.callbacks.{name}", sources)
     checkpoint = lightning.get("modelcheckpoint") or {}
     for k in checkpoint:
         if k != "params":
-            fail(sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (every_n_train_steps, keep)")
-    check_params(
-        checkpoint.get("params") or {},
-        signature(Checkpoints),
-        "lightning.modelcheckpoint.params",
-        sources,
-        skip=("dirpath",),
-        supplied=("dirpath",),
-    )
-    if lightning.get("logger") is not None:
-        fail(sources, "lightning.logger", "runs always log to TensorBoard and CSV in the run folder; remove it")
-    optimizer = (cfg.model.get("params") or {}).get("optimizer")
-    if isinstance(optimizer, Mapping):
+            with problems.check():
+                fail(
+                    sources, f"lightning.modelcheckpoint.{k}", "unknown key; valid: params (every_n_train_steps, keep)"
+                )
+    with problems.check():
+        check_params(
+            checkpoint.get("params") or {},
+            signature(Checkpoints),
+            "lightning.modelcheckpoint.params",
+            sources,
+            skip=("dirpath",),
+            supplied=("dirpath",),
+        )
+    optimizer = ((cfg.get("model") or {}).get("params") or {}).get("optimizer")
+    if isinstance(optimizer, Mapping) and not problems.errors:
         check_whole = getattr(
             import_target(optimizer["target"], "model.params.optimizer.target", sources), "check_run_config", None
         )
         if check_whole is not None:  # training settings an optimizer cannot honour, e.g. clipping with a fused step
             check_whole(cfg, sources)
+    problems.raise_any()
+
+
+def _check_strategy(cfg: DictConfig, strategy: object, sources: Sources) -> None:
+    if not isinstance(strategy, Mapping):
+        return
+    if strategy.get("target") in LEGACY_TARGETS:  # configs written for Lightning 1.x's ColossalAIStrategy
+        cfg.lightning.trainer.strategy = translate_legacy_strategy(strategy)
+        strategy = cfg.lightning.trainer.strategy
+    elif strategy.get("target") == COLOSSAL_TARGET and isinstance(strategy.get("params"), Mapping):
+        try:  # its settings, written directly under params before they were grouped
+            cfg.lightning.trainer.strategy.params = group_flat_settings(to_plain(strategy.params))
+        except ConfigError as err:
+            fail(sources, *str(err).split(": ", 1))
+        strategy = cfg.lightning.trainer.strategy
+    check_target_node(strategy, "lightning.trainer.strategy", sources)
+    check_whole = getattr(import_target(strategy["target"]), "check_run_config", None)
+    if check_whole is not None:  # combinations a strategy cannot train, e.g. an optimizer it cannot drive
+        check_whole(cfg, sources)
 
 
 def _check_datamodule(target: str, sources: Sources) -> None:

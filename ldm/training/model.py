@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, TypedDict
 
 import torch
 
@@ -19,12 +20,29 @@ from ldm.components.build import NETWORK_PARTS, PartSpec
 from ldm.components.families import FamilyName
 from ldm.components.lora import LoraSpec, add_lora
 from ldm.components.memory import DTYPES, prepare_for_training, set_attention
-from ldm.config import ConfigError, ExistingPath, import_target, supplied
+from ldm.config import ConfigError, ExistingPath, TargetSpec, import_target, instantiate, supplied
 from ldm.systems.latent_diffusion import LatentDiffusion as System
 from ldm.systems.latent_diffusion import Optimization
 from ldm.weights.read import load_pretrained
+from ldm.weights.text_model import as_module_names
 
 DEFAULT_OPTIMIZER = {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
+
+
+class NoiseSchedule(TypedDict, total=False):
+    """`model.params.noise_schedule`: the training noise schedule, replacing the one the weights came with."""
+
+    beta_start: float
+    beta_end: float
+    num_train_timesteps: int
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"]
+
+
+class Declared(TypedDict):
+    """A part's architecture as a config declares it (e.g. a CompVis `unet_config`), checked against the weights."""
+
+    key: str  # where it was declared
+    config: dict
 
 
 def latent_diffusion(
@@ -51,6 +69,11 @@ def latent_diffusion(
     trainable_dtype: Literal["float32", "bfloat16"] | None = None,
     lora: LoraSpec | None = None,
     nonfinite_loss: Literal["skip", "stop"] = "skip",
+    noise_schedule: NoiseSchedule | None = None,
+    scaling_factor: float | None = None,
+    lr_lambda: TargetSpec | None = None,
+    part_weights: dict[Literal["unet", "vae", "text_encoder"], ExistingPath] | None = None,
+    architecture: dict[Literal["unet", "vae"], Declared] | None = None,
 ) -> System:
     """A `LatentDiffusion` system whose parts are built when Lightning configures the model.
 
@@ -58,10 +81,22 @@ def latent_diffusion(
     every part not given on its own (`unet`, `vae`, ... as `{pretrained, subfolder}` or `{config}`, or
     a module). The prediction type follows the weights; `prediction_type` may set it only for parts
     built from a config. `unet` may name any denoiser class (`target`) that takes the call
-    `denoiser(noisy, t, cond)` (see `ldm.backbones`)."""
+    `denoiser(noisy, t, cond)` (see `ldm.backbones`).
+
+    `part_weights` loads a file of one part's weights (diffusers names, `.bin` / `.safetensors`) into the
+    part built from its config; `architecture` lists configs the weights read must agree with; `lr_lambda`
+    is an LR factor per step (e.g. `ldm.training.lr_schedules.LambdaLinear`) instead of `lr_schedule`."""
     if learning_rate <= 0:
         raise ConfigError(f"model.params.learning_rate: got {learning_rate}; must be positive")
-    optimization = Optimization(learning_rate, dict(optimizer or DEFAULT_OPTIMIZER), lr_schedule, lr_warmup_steps)
+    if lr_lambda is not None and (lr_schedule != "constant" or lr_warmup_steps):
+        raise ConfigError(
+            "model.params.lr_lambda: a schedule of its own; it cannot be combined with "
+            f"model.params.lr_schedule: {lr_schedule} / lr_warmup_steps: {lr_warmup_steps}; remove one"
+        )
+    factor = instantiate(lr_lambda, "model.params.lr_lambda") if lr_lambda is not None else None
+    optimization = Optimization(
+        learning_rate, dict(optimizer or DEFAULT_OPTIMIZER), lr_schedule, lr_warmup_steps, factor
+    )
     lora = dict(lora) if lora is not None else None
     trainable = tuple(dict.fromkeys(trainable))
     if trainable_dtype == "bfloat16":
@@ -74,8 +109,10 @@ def latent_diffusion(
         "frozen_dtype": frozen_dtype,
         "trainable_dtype": trainable_dtype,
     }
+    weights = {"noise_schedule": noise_schedule, "scaling_factor": scaling_factor}
+    weights |= {"part_weights": dict(part_weights or {}), "architecture": dict(architecture or {})}
     build = PartsForTraining(
-        pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora
+        pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora, weights
     )
     system = System(build, trainable, "unet", "clip", snr_gamma, sample_latents, optimization, lora, nonfinite_loss)
     if all(isinstance(specs[name], torch.nn.Module) for name in NETWORK_PARTS):
@@ -96,6 +133,7 @@ class PartsForTraining:
     trainable: tuple[str, ...]
     memory: dict
     lora: dict | None
+    weights: dict  # noise_schedule, scaling_factor, part_weights, architecture
 
     def __call__(self) -> Parts:
         memory = self.memory
@@ -106,7 +144,12 @@ class PartsForTraining:
                 pretrained_family=self.pretrained_family,
                 **self.specs,
             )
+        for name, path in self.weights["part_weights"].items():
+            _load_part_weights(parts[name], Path(path).expanduser(), f"model.params.part_weights.{name}")
+        for name, declared in self.weights["architecture"].items():
+            _check_architecture(parts[name], declared, name, self.pretrained)
         _resolve_prediction_type(parts.scheduler, self.prediction_type, self.pretrained, self.specs["scheduler"])
+        _apply_schedule(parts, self.weights["noise_schedule"], self.weights["scaling_factor"], self.pretrained)
         if memory["trainable_dtype"] is not None:
             for name in self.trainable:
                 parts[name].to(DTYPES[memory["trainable_dtype"]])
@@ -122,6 +165,64 @@ class PartsForTraining:
         if self.lora is not None:
             add_lora(parts, self.trainable, self.lora)
         return parts
+
+
+def _load_part_weights(module: torch.nn.Module, path: Path, key: str) -> None:
+    """Load a file of one part's weights, in diffusers / transformers names, strictly into `module`."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:  # weights_only: a weights file never runs code
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    state = as_module_names(state, module)
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        problem = f"no {missing[0]}" if missing else f"an unknown {unexpected[0]}"
+        raise ConfigError(
+            f"{key}: {path} does not fit the part's config: {len(missing)} weights missing, {len(unexpected)} "
+            f"unknown (first: {problem}); is it the weights of this part, in diffusers names?"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ConfigError(
+                f"{key}: {path} does not fit the part's config: {name} is {list(tensor.shape)} in the file but "
+                f"{list(own[name].shape)} by the config; make the config describe these weights"
+            )
+    module.load_state_dict(state)
+
+
+def _check_architecture(module: torch.nn.Module, declared: dict, name: str, pretrained: str | None) -> None:
+    """The weights' config must agree with the architecture a config declared for them."""
+    config = module.config.to_dict() if hasattr(module.config, "to_dict") else dict(module.config)
+    for k, want in declared["config"].items():
+        have = config.get(k)
+        if have is not None and want is not None and _plain(have) != _plain(want):
+            raise ConfigError(
+                f"{declared['key']}: declares {k} = {want!r}, but the {name} of {pretrained} has {have!r}; "
+                "fix the config, or use weights of that architecture"
+            )
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _apply_schedule(parts: Parts, schedule: dict | None, scaling_factor: float | None, pretrained: str | None) -> None:
+    """Set the training noise schedule and the latent scaling factor; a scaling factor may not contradict
+    the one the pretrained VAE was trained with."""
+    if schedule:
+        config = {**parts.scheduler.config, **schedule}
+        parts.scheduler = type(parts.scheduler).from_config(config)
+    if scaling_factor is not None:
+        current = float(parts.vae.config.get("scaling_factor", 1.0))
+        if pretrained is not None and abs(current - scaling_factor) > 1e-9 * max(1.0, abs(current)):
+            raise ConfigError(
+                f"model.params.scaling_factor: {scaling_factor} contradicts the pretrained VAE's scaling factor "
+                f"{current} (the UNet was trained on latents scaled by it); remove the key"
+            )
+        parts.vae.register_to_config(scaling_factor=scaling_factor)
 
 
 def _check_bf16_training(optimizer_target: str, lora: dict | None) -> None:

@@ -95,14 +95,16 @@ def _newest_intact(run_dir: Path, flag: str) -> Resume | None:
     return None
 
 
-def prepare_config(bases: list[str], overrides: list[str], resume: Resume | None) -> tuple[DictConfig, Sources]:
+def prepare_config(
+    bases: list[str], overrides: list[str], resume: Resume | None, scale_lr: bool = True
+) -> tuple[DictConfig, Sources]:
     """Load and check the config: `-b` files (or the resumed run's saved config), then overrides."""
     if not bases:
         if resume is None:
             raise ConfigError("no config: pass -b CONFIG.yaml (or -r to continue a run)")
         bases = [str(resume.run_dir / "configs" / "project.yaml")]
     cfg, sources = load_config(bases, overrides)
-    check_config(cfg, sources)
+    check_config(cfg, sources, scale_lr)
     return cfg, sources
 
 
@@ -117,6 +119,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
     """A Trainer with checkpoints, TensorBoard + CSV logs and the configured callbacks."""
     lightning_cfg = cfg.get("lightning") or OmegaConf.create()
     trainer_kwargs = to_plain(lightning_cfg.get("trainer") or {})
+    if "strategy" in trainer_kwargs and trainer_kwargs["strategy"] is None:  # `strategy=null`: Lightning's default
+        del trainer_kwargs["strategy"]
     strategy = trainer_kwargs.get("strategy")
     if isinstance(strategy, dict):
         trainer_kwargs["strategy"] = instantiate(strategy, "lightning.trainer.strategy", REJECTIONS)
@@ -164,11 +168,14 @@ def train(
     name: str | None = None,
     seed: int = 23,
     resume: str | None = None,
+    scale_lr: bool = True,
 ) -> Path:
-    """Train from configs; returns the run folder, which holds `checkpoints/last.ckpt`."""
+    """Train from configs; returns the run folder, which holds `checkpoints/last.ckpt`.
+
+    `scale_lr` applies to CompVis configs' `model.base_learning_rate` (see `ldm.training.compvis`)."""
     logdir = Path(logdir)
     resumed = find_resume(resume, logdir, name) if resume else None
-    cfg, _ = prepare_config(list(bases), list(overrides), resumed)
+    cfg, _ = prepare_config(list(bases), list(overrides), resumed, scale_lr)
     if resumed:
         run_dir = resumed.run_dir
     else:  # the first rank names the folder; the others (torchrun, SLURM, Lightning's launcher) receive it

@@ -56,8 +56,8 @@ def translate_legacy_strategy(node: Mapping, key: str = "lightning.trainer.strat
                 raise ConfigError(f"{where}: got {value!r}; valid: {', '.join(map(repr, _PLACEMENTS))}")
             params.update(_PLACEMENTS[value])
         elif name == "use_chunk":
-            if not value:
-                raise ConfigError(f"{where}: Gemini always manages parameters in chunks; remove use_chunk")
+            if not value:  # the layout of parameters in memory only: training is the same
+                log.info("%s: false has no equivalent; Gemini always manages parameters in chunks", where)
         elif name == "enable_distributed_storage":
             params["shard_param_frac"] = 1.0 if value else 0.0
         elif name == "min_chunk_size":
