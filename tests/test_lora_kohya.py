@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import CLIPTextConfig, CLIPTextModel
@@ -32,7 +32,7 @@ lora_run = test_lora.lora_run  # the fixture: a tiny LoRA run on the UNet and te
 
 
 def family_parts(family: str) -> Parts:
-    """A released family's UNet and text encoder at real size on the meta device (no memory), and its scheduler."""
+    """A released family's networks at real size on the meta device (no memory), and its scheduler."""
     from accelerate import init_empty_weights
 
     folder = REPO / "configs" / "models" / family
@@ -40,8 +40,9 @@ def family_parts(family: str) -> Parts:
     with init_empty_weights():
         unet = UNet2DConditionModel.from_config(json.loads((folder / "unet" / "config.json").read_text()))
         text_encoder = CLIPTextModel(CLIPTextConfig(**text))
+        vae = AutoencoderKL.from_config(json.loads((folder / "vae" / "config.json").read_text()))
     scheduler = DDIMScheduler.from_config(json.loads((folder / "scheduler" / "scheduler_config.json").read_text()))
-    return Parts(unet=unet, text_encoder=text_encoder, scheduler=scheduler)
+    return Parts(unet=unet, vae=vae, text_encoder=text_encoder, scheduler=scheduler)
 
 
 def projections(module: torch.nn.Module, names: tuple[str, ...]) -> list[str]:

@@ -21,16 +21,12 @@ from ldm.components.lora_keys import kohya_state_dict, lora_modules, read_adapte
 from ldm.utils.atomic import atomic_path
 from ldm.weights.pipeline_folder import write_pipeline
 from ldm.weights.read import read_parts
+from ldm.weights.single_file import modelspec
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LoraFormat = Literal["kohya", "diffusers"]
-# Our families as sd-scripts names them: ss_base_model_version (model_util.get_model_version_str_for_sd1_sd2),
-# modelspec.architecture (sai_model_spec.py) and the resolution it records.
-KOHYA_BASES = {
-    "sd15": ("sd_v1", "stable-diffusion-v1", "512x512"),
-    "sd2-base": ("sd_v2", "stable-diffusion-v2-512", "512x512"),
-    "sd2-768-v": ("sd_v2_v", "stable-diffusion-v2-768-v", "768x768"),
-}
+# Our families as sd-scripts names them in ss_base_model_version (model_util.get_model_version_str_for_sd1_sd2).
+KOHYA_BASES = {"sd15": "sd_v1", "sd2-base": "sd_v2", "sd2-768-v": "sd_v2_v"}
 
 
 def save_lora(
@@ -74,27 +70,23 @@ def kohya_metadata(parts: Parts, state: Mapping[str, torch.Tensor], name: str) -
     where the parts are a released family."""
     first = next(k for k in state if k.endswith(".lora_down.weight")).removesuffix(".lora_down.weight")
     family = family_of(parts)
-    version, architecture, resolution = KOHYA_BASES.get(family.name if family else "", ("", "", ""))
     metadata = {
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(state[f"{first}.lora_down.weight"].shape[0]),
         "ss_network_alpha": str(round(float(state[f"{first}.alpha"]), 6)),  # as sd-scripts: "8.0"
         "ss_v2": str(bool(family) and family.text_layout == "open_clip"),
-        "ss_base_model_version": version,
+        "ss_base_model_version": KOHYA_BASES.get(family.name, "") if family else "",
         "ss_output_name": name,
         "ss_training_comment": "exported by ldm (scripts/export_lora.py)",
     }
-    if architecture:
-        v_prediction = parts.scheduler.config.get("prediction_type") == "v_prediction"
-        metadata |= {
+    spec = modelspec(parts, family, name)  # the family's, as its single file says it; a LoRA of it:
+    if spec:
+        spec |= {
             "modelspec.sai_model_spec": "1.0.1",
-            "modelspec.architecture": f"{architecture}/lora",
+            "modelspec.architecture": spec["modelspec.architecture"] + "/lora",
             "modelspec.implementation": "diffusers",
-            "modelspec.title": name,
-            "modelspec.resolution": resolution,
-            "modelspec.prediction_type": "v" if v_prediction else "epsilon",
         }
-    return metadata
+    return metadata | spec
 
 
 def checkpoint_about(ckpt: dict) -> dict[str, str]:
