@@ -24,6 +24,7 @@ from ldm.config import ConfigError, ExistingPath, TargetSpec, import_target, ins
 from ldm.systems.latent_diffusion import LatentDiffusion as System
 from ldm.systems.latent_diffusion import Optimization
 from ldm.weights.read import load_pretrained
+from ldm.weights.single_file import read_single_file
 from ldm.weights.text_model import as_module_names
 
 DEFAULT_OPTIMIZER = {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
@@ -169,12 +170,10 @@ class PartsForTraining:
 
 def _load_part_weights(module: torch.nn.Module, path: Path, key: str) -> None:
     """Load a file of one part's weights, in diffusers / transformers names, strictly into `module`."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
-    else:  # weights_only: a weights file never runs code
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        state, _, _ = read_single_file(path)  # .safetensors, or a pickle read without running code from it
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"{key}: {err}") from None
     state = as_module_names(state, module)
     own = module.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
