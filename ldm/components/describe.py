@@ -27,9 +27,13 @@ def describe_parts(parts: Parts) -> dict:
         if isinstance(part, PreTrainedTokenizerBase):
             described[name] = {"class": class_path(part), "files": tokenizer_files(part.save_pretrained)}
         else:
-            config = part.config.to_dict() if hasattr(part.config, "to_dict") else dict(part.config)
-            described[name] = {"class": class_path(part), "config": _plain(config)}
+            described[name] = {"class": class_path(part), "config": _plain(config_dict(part))}
     return described
+
+
+def config_dict(part: Any) -> dict:
+    """A part's config as a dict: a transformers `PretrainedConfig`'s `to_dict()`, a diffusers `FrozenDict` copied."""
+    return part.config.to_dict() if hasattr(part.config, "to_dict") else dict(part.config)
 
 
 def class_path(obj: Any) -> str:

@@ -15,6 +15,7 @@ import torch
 
 from ldm.components import Parts
 from ldm.components.build import module_from_config
+from ldm.components.describe import config_dict
 from ldm.components.lora_keys import PART_TITLES, Adapter, lora_modules, read_adapters
 from ldm.config import ConfigError, ExistingPath
 
@@ -167,7 +168,7 @@ def merged(module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(layer, BaseTunerLayer) and not layer.merged:
             layer.merge()
     state = {k.replace(".base_layer.", "."): v for k, v in module.state_dict().items() if not is_lora_key(k)}
-    config = module.config.to_dict() if hasattr(module.config, "to_dict") else dict(module.config)
+    config = config_dict(module)
     with init_empty_weights():
         plain = module_from_config(type(module), config)
     plain.load_state_dict(state, assign=True)

@@ -8,11 +8,10 @@ Architectures are read with diffusers' own converters (`create_unet_diffusers_co
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-from omegaconf import OmegaConf
 
 from ldm.components.families import FAMILIES
 from ldm.config import ConfigError, Problems
@@ -155,7 +154,7 @@ def _text_encoder(node: Any, ours: dict, from_weights: bool, ignored: list[str])
     if params:
         raise ConfigError(f"{key}.params.{sorted(params)[0]}: not a setting that translates here")
     tokenizer = {"config": {"vocab": "clip", "model_max_length": max_length, "pad_token": family.pad_token}}
-    config = OmegaConf.to_container(OmegaConf.load(family.folder / "text_encoder" / "config.json"))
+    config = json.loads((family.folder / "text_encoder" / "config.json").read_text())
     if weights is not None:
         if from_weights:
             raise ConfigError(f"{key}.params.from_pretrained and model.params.ckpt both give the text encoder")

@@ -17,6 +17,7 @@ import torch
 
 from ldm.components import Parts
 from ldm.components.build import NETWORK_PARTS, PartSpec
+from ldm.components.describe import config_dict
 from ldm.components.families import FamilyName
 from ldm.components.lora import LoraSpec, add_lora
 from ldm.components.memory import DTYPES, prepare_for_training, set_attention
@@ -194,7 +195,7 @@ def _load_part_weights(module: torch.nn.Module, path: Path, key: str) -> None:
 
 def _check_architecture(module: torch.nn.Module, declared: dict, name: str, pretrained: str | None) -> None:
     """The weights' config must agree with the architecture a config declared for them."""
-    config = module.config.to_dict() if hasattr(module.config, "to_dict") else dict(module.config)
+    config = config_dict(module)
     for k, want in declared["config"].items():
         have = config.get(k)
         if have is not None and want is not None and _plain(have) != _plain(want):
