@@ -111,11 +111,10 @@ def latent_diffusion(
         "frozen_dtype": frozen_dtype,
         "trainable_dtype": trainable_dtype,
     }
-    weights = {"noise_schedule": noise_schedule, "scaling_factor": scaling_factor}
-    weights |= {"part_weights": dict(part_weights or {}), "architecture": dict(architecture or {})}
     build = PartsForTraining(
-        pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora, weights
-    )
+        pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora,
+        dict(part_weights or {}), dict(architecture or {}), noise_schedule, scaling_factor,
+    )  # fmt: skip
     system = System(build, trainable, "unet", "clip", snr_gamma, sample_latents, optimization, lora, nonfinite_loss)
     if all(isinstance(specs[name], torch.nn.Module) for name in NETWORK_PARTS):
         system.configure_model()  # networks passed in: nothing to load
@@ -135,7 +134,10 @@ class PartsForTraining:
     trainable: tuple[str, ...]
     memory: dict
     lora: dict | None
-    weights: dict  # noise_schedule, scaling_factor, part_weights, architecture
+    part_weights: dict
+    architecture: dict
+    noise_schedule: dict | None
+    scaling_factor: float | None
 
     def __call__(self) -> Parts:
         memory = self.memory
@@ -146,12 +148,12 @@ class PartsForTraining:
                 pretrained_family=self.pretrained_family,
                 **self.specs,
             )
-        for name, path in self.weights["part_weights"].items():
+        for name, path in self.part_weights.items():
             _load_part_weights(parts[name], Path(path).expanduser(), f"model.params.part_weights.{name}")
-        for name, declared in self.weights["architecture"].items():
+        for name, declared in self.architecture.items():
             _check_architecture(parts[name], declared, name, self.pretrained)
         _resolve_prediction_type(parts.scheduler, self.prediction_type, self.pretrained, self.specs["scheduler"])
-        _apply_schedule(parts, self.weights["noise_schedule"], self.weights["scaling_factor"], self.pretrained)
+        _apply_schedule(parts, self.noise_schedule, self.scaling_factor, self.pretrained)
         if memory["trainable_dtype"] is not None:
             for name in self.trainable:
                 parts[name].to(DTYPES[memory["trainable_dtype"]])
