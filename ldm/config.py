@@ -84,6 +84,7 @@ class Sources:
     """Which file (or the command line) set each key, so errors can say where a value came from."""
 
     layers: list[tuple[str, set[str]]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # keys left `???`: the check reports them with the rest
 
     def add(self, name: str, cfg: DictConfig) -> None:
         self.layers.append((name, set(_flat_keys(OmegaConf.to_container(cfg)))))
@@ -108,7 +109,9 @@ def _flat_keys(node: Any, prefix: str = "") -> typing.Iterator[str]:
 
 
 def load_config(files: Sequence[str | os.PathLike], overrides: Sequence[str] = ()) -> tuple[DictConfig, Sources]:
-    """Merge YAML `files` in order, then dotted `key.path=value` overrides; later ones win."""
+    """Merge YAML `files` in order, then dotted `key.path=value` overrides; later ones win.
+
+    Values left unset (`???`) are listed in `sources.missing`, for the check to report with every other mistake."""
     sources = Sources()
     layers = []
     for path in files:
@@ -135,14 +138,7 @@ def load_config(files: Sequence[str | os.PathLike], overrides: Sequence[str] = (
         layers.append(cli)
     try:
         merged = OmegaConf.merge(*layers) if layers else OmegaConf.create()
-        missing = sorted(OmegaConf.missing_keys(merged))
-        if missing:
-            raise ConfigErrors(
-                [
-                    ConfigError(f"{k} ({sources.where(k)}): required value (???) not set; pass it as {k}=VALUE")
-                    for k in missing
-                ]
-            )
+        sources.missing = sorted(OmegaConf.missing_keys(merged))
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(f"cannot merge configs: {_one_line(err)}") from None
@@ -246,7 +242,8 @@ def check_params(
             check_value(value, accepted[name].annotation, where, sources)
     for name, p in accepted.items():
         required = p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        if required and name not in params and name not in supplied:
+        unset = sources is not None and f"{key}.{name}" in sources.missing  # reported as unset already
+        if required and name not in params and name not in supplied and not unset:
             with problems.check():
                 fail(sources, f"{key}.{name}", "missing required parameter")
     problems.raise_any()
@@ -325,7 +322,10 @@ def _matches(value: Any, ann: Any, key: str, sources: Sources | None) -> bool:
         return isinstance(value, (Mapping, DictConfig))
     # Classes (modules, callables, ...) cannot come from YAML except as a target node.
     if inspect.isclass(ann):
-        return isinstance(value, ann) or isinstance(value, Mapping) and "target" in value
+        if isinstance(value, Mapping) and "target" in value and not isinstance(value, ann):
+            check_target_node(value, key, sources)  # a node the object will be built from: read it like any other
+            return True
+        return isinstance(value, ann)
     return True
 
 

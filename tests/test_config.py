@@ -99,6 +99,19 @@ def test_unset_required_value(image_folder):
         check([SD_FOLDER], [f"data.params.root={image_folder}"])
 
 
+def test_unset_values_and_a_typo_are_reported_in_one_pass(capsys, tmp_path):
+    code = main(["-t", "-b", str(SD_FOLDER), "-l", str(tmp_path), "model.params.learnin_rate=1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("model.", "data."))]
+    assert code == 2
+    assert err == [
+        f"data.params.root ({SD_FOLDER}): required value (???) not set; pass it as data.params.root=VALUE",
+        f"model.params.pretrained ({SD_FOLDER}): required value (???) not set; "
+        "pass it as model.params.pretrained=VALUE",
+        "model.params.learnin_rate (command line): unknown parameter; valid: " + err[2].split("valid: ")[1],
+    ]
+    assert "learning_rate" in err[2], "the valid names are listed"
+
+
 def test_invalid_yaml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")

@@ -1,5 +1,6 @@
 """The memory planner: fake-tensor traces agree with real-tensor traces, per part and at the peak."""
 
+import importlib.util
 from pathlib import Path
 
 from ldm.config import load_config
@@ -40,3 +41,21 @@ def test_activations_grow_with_batch_and_resolution(tiny_sd, image_folder):
     assert {p.name: p.trainable for p in small.parts} == {"unet": True, "vae": False, "text_encoder": True}
     assert large.peak_by_category["Activation"] > small.peak_by_category["Activation"]
     assert large.peak > small.peak
+
+
+def test_a_colossal_preset_is_planned_without_colossal_ai(tiny_sd, image_folder):
+    """Planning is arithmetic: it runs before Colossal-AI is installed, and says in one line what the run needs."""
+    from tests.helpers import run_script
+
+    preset = SD_FOLDER.parent / "sd15-8gb.yaml"
+    printed = run_script(
+        "plan_memory.py", "-b", preset, f"model.params.pretrained={tiny_sd}", f"data.params.root={image_folder}",
+        "data.params.size=16", "--gpu-gib", "8",
+    )  # fmt: skip
+    assert "placement under ColossalAIStrategy (gemini)" in printed and "fits a 8 GiB GPU" in printed
+    lacks = [line for line in printed.splitlines() if line.startswith("to train this config")]
+    if importlib.util.find_spec("colossalai") is None:
+        (line,) = lacks
+        assert "HybridAdam and ColossalAIStrategy need Colossal-AI" in line and "pip install -e .[colossalai]" in line
+    else:
+        assert lacks == []

@@ -1,6 +1,7 @@
 """Plan the memory of one training step of a config, on fake tensors (no GPU, no weights needed).
 
-With a ColossalAIStrategy config, it also splits that memory over GPU, CPU and NVMe.
+With a ColossalAIStrategy config, it also splits that memory over GPU, CPU and NVMe. Planning needs no
+Colossal-AI: where the run itself needs a package this environment lacks, the plan says so in its last line.
 
     python scripts/plan_memory.py -b configs/finetune/sd-folder.yaml model.params.pretrained=configs/models/sd15 \
         data.params.root=. --gpu-gib 8
@@ -12,8 +13,8 @@ import argparse
 import logging
 import sys
 
-from ldm.config import ConfigError, load_config
-from ldm.training.checks import check_config
+from ldm.config import ConfigError, ConfigErrors, load_config
+from ldm.training.checks import MissingPackage, check_config
 from ldm.training.memory import place, plan_training_step
 
 
@@ -26,14 +27,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    missing: list[ConfigError] = []
     try:
         cfg, sources = load_config(args.base, args.overrides)
-        check_config(cfg, sources)
+        try:
+            check_config(cfg, sources)
+        except ConfigError as err:
+            errors = err.errors if isinstance(err, ConfigErrors) else [err]
+            missing = [e for e in errors if isinstance(e, MissingPackage)]
+            if len(missing) < len(errors):
+                raise ConfigErrors([e for e in errors if not isinstance(e, MissingPackage)]) from None
         plan = plan_training_step(cfg, args.batch_size, args.resolution)
     except ConfigError as err:
-        sys.exit(f"config error: {err}")
+        sys.exit(str(err))
     placement = place(plan, cfg)
     print(plan.table(None if placement else args.gpu_gib))
     if placement:
         print()
         print(placement.table(args.gpu_gib))
+    for err in missing:
+        print(f"\nto train this config, this environment lacks: {err}")

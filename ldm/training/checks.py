@@ -8,12 +8,15 @@ optimizers declare (`check_run_config`), so that a combination they cannot train
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
+import re
 from collections.abc import Mapping
 
+import torch
 from lightning.pytorch import LightningDataModule, Trainer
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ldm.config import (
     ConfigError,
@@ -69,9 +72,16 @@ def check_config(cfg: DictConfig, sources: Sources | None = None, scale_lr: bool
     with `scale_lr` deciding whether `model.base_learning_rate` is scaled by the batch size."""
     sources = sources or Sources()
     problems = Problems()
+    for key in sources.missing:
+        with problems.check():
+            fail(sources, key, f"required value (???) not set; pass it as {key}=VALUE")
+    if sources.missing:  # the rest is checked on a copy without them, so each mistake is reported once
+        cfg = _without(cfg, sources.missing)
     translate_moved_targets(cfg)
     with problems.check():
         translate_compvis(cfg, sources, scale_lr)
+    with problems.check():
+        half_precision_on_a_cpu(cfg)
     for key in cfg:
         if key not in TOP_LEVEL_KEYS:
             with problems.check():
@@ -126,7 +136,79 @@ def check_config(cfg: DictConfig, sources: Sources | None = None, scale_lr: bool
         )
         if check_whole is not None:  # training settings an optimizer cannot honour, e.g. clipping with a fused step
             check_whole(cfg, sources)
+    problems.errors = _one_line_per_missing_package(problems.errors)
     problems.raise_any()
+
+
+NEEDS = re.compile(
+    r"^(?P<key>\S+)(?P<where> \([^)]*\))?: cannot import '(?P<target>[\w.]+)': (?P=target) needs (?P<what>.+)$"
+)
+
+
+class MissingPackage(ConfigError):
+    """A target of the config needs a package this environment lacks (the config itself may be right)."""
+
+
+def _one_line_per_missing_package(errors: list[ConfigError]) -> list[ConfigError]:
+    """Targets that cannot be imported for want of the same package, as one line: a Colossal-AI preset on an
+    environment without it names the strategy and the optimizer, and the user has one thing to install."""
+    groups: dict[str, list[re.Match]] = {}
+    merged: list[ConfigError | list[re.Match]] = []
+    for err in errors:
+        found = NEEDS.match(str(err))
+        if found is None:
+            merged.append(err)
+        elif found["what"] in groups:
+            groups[found["what"]].append(found)
+        else:
+            merged.append(groups.setdefault(found["what"], [found]))
+    return [item if isinstance(item, ConfigError) else _needs(item) for item in merged]
+
+
+def _needs(found: list[re.Match]) -> MissingPackage:
+    if len(found) == 1:
+        return MissingPackage(found[0].string)
+    keys, names = ", ".join(m["key"] for m in found), " and ".join(m["target"].rpartition(".")[2] for m in found)
+    return MissingPackage(f"{keys}{found[0]['where'] or ''}: {names} need {found[0]['what']}")
+
+
+HALF_TO_BF16 = {"16-mixed": "bf16-mixed", "16": "bf16-mixed", "16-true": "bf16-true", "float16": "bfloat16"}
+
+
+def half_precision_on_a_cpu(cfg: DictConfig) -> None:
+    """On a machine that trains on the CPU, fp16 settings become bf16 (one log line says which).
+
+    A CPU has no fp16 autocast: Lightning runs `16-mixed` there as bf16 autocast, under which fp16 weights
+    (`frozen_dtype: float16`, made for a GPU) fail in their first normalisation layer. bf16 keeps the
+    presets' memory saving. Colossal-AI runs its own mixed precision and is left as configured."""
+    trainer = (cfg.get("lightning") or {}).get("trainer") or {}
+    strategy = trainer.get("strategy")
+    accelerator = str(trainer.get("accelerator") or "auto")
+    on_cpu = accelerator == "cpu" or accelerator == "auto" and not torch.cuda.is_available()
+    if not on_cpu or isinstance(strategy, Mapping) and strategy.get("target") == COLOSSAL_TARGET:
+        return
+    changed = []
+    params = (cfg.get("model") or {}).get("params") or {}
+    for node, key, where in ((trainer, "precision", "lightning.trainer"), (params, "frozen_dtype", "model.params")):
+        value = str(node.get(key))
+        if value in HALF_TO_BF16:
+            node[key] = HALF_TO_BF16[value]
+            changed.append(f"{where}.{key}: {value} -> {node[key]}")
+    if changed:
+        log.info("training on the CPU, which has no fp16: %s (bf16 saves the same memory)", ", ".join(changed))
+
+
+def _without(cfg: DictConfig, keys: list[str]) -> DictConfig:
+    """A copy of `cfg` with `keys` removed (a list item is set to null instead)."""
+    cfg = copy.deepcopy(cfg)
+    for key in keys:
+        item = re.fullmatch(r"(.*)\[(\d+)\]", key)
+        if item:
+            OmegaConf.select(cfg, item[1])[int(item[2])] = None
+        else:
+            parent, _, name = key.rpartition(".")
+            del (OmegaConf.select(cfg, parent) if parent else cfg)[name]
+    return cfg
 
 
 def _check_strategy(cfg: DictConfig, strategy: object, sources: Sources) -> None:
