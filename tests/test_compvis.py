@@ -13,8 +13,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ldm.config import ConfigError, load_config
+from ldm.config import ConfigError, Sources, load_config
 from ldm.training.checks import check_config
+from ldm.training.compvis import translate_compvis
 from ldm.training.lr_schedules import LambdaLinear
 from tests.conftest import REPO, write_images
 from tests.fixtures.compvis import tiny_parts, write_part_files
@@ -54,10 +55,16 @@ def pokemon_overrides(part_files, images) -> list[str]:
     ]
 
 
-def test_colossalai_example_shape_fine_tunes_and_exports(v_ckpt, images, tmp_path, caplog):
+@pytest.mark.parametrize(
+    "name, data_key",
+    [("colossalai-shape.yaml", "data.params"), ("colossalai-flat-shape.yaml", "data")],
+    ids=["under-params", "held-directly"],
+)
+def test_colossalai_example_shapes_fine_tune_and_export(name, data_key, v_ckpt, images, tmp_path, caplog):
+    """Both forms the example has shipped: every sub-config under `params:`, or holding its keys directly."""
     logdir = tmp_path / "logs"
-    argv = ["-t", "-b", str(CONFIGS / "colossalai-shape.yaml"), "-l", str(logdir),
-            f"model.params.ckpt={v_ckpt}", f"data.params.train.params.root={images}", *ON_CPU]  # fmt: skip
+    argv = ["-t", "-b", str(CONFIGS / name), "-l", str(logdir),
+            f"model.params.ckpt={v_ckpt}", f"{data_key}.train.params.root={images}", *ON_CPU]  # fmt: skip
     with caplog.at_level(logging.INFO, logger="ldm"):
         run_dir = train_once(argv, logdir)
     saved = OmegaConf.load(run_dir / "configs" / "project.yaml")
@@ -72,7 +79,7 @@ def test_colossalai_example_shape_fine_tunes_and_exports(v_ckpt, images, tmp_pat
         "model.params.monitor",
         "lightning.logger_config",
         "lightning.trainer.log_gpu_memory",
-        "data.params.wrap",
+        f"{data_key}.wrap",
     ):
         assert key in ignored[0]
     # the LambdaLinear warm-up (f_start 1e-6 -> f_max 1 over 2 steps) drove the logged learning rate
@@ -87,6 +94,62 @@ def test_colossalai_example_shape_fine_tunes_and_exports(v_ckpt, images, tmp_pat
     pipe = StableDiffusionPipeline.from_pretrained(out, local_files_only=True)
     assert pipe.scheduler.config.prediction_type == "v_prediction"
     assert pipe.unet.config.block_out_channels == (32, 64) or list(pipe.unet.config.block_out_channels) == [32, 64]
+
+
+def test_both_forms_of_the_example_translate_alike(v_ckpt, images):
+    """The strategy block too: `{params: {...}}` without a target, or its settings held directly."""
+    translated = []
+    for name, data_key in (("colossalai-shape.yaml", "data.params"), ("colossalai-flat-shape.yaml", "data")):
+        cfg, sources = load_config(
+            [CONFIGS / name], [f"model.params.ckpt={v_ckpt}", f"{data_key}.train.params.root={images}"]
+        )
+        translate_compvis(cfg, sources)
+        translated.append(OmegaConf.to_container(cfg))
+    assert translated[0] == translated[1]
+    strategy = translated[1]["lightning"]["trainer"]["strategy"]
+    assert strategy["target"] == "strategies.ColossalAIStrategy" and strategy["params"]["placement_policy"] == "cuda"
+    assert translated[1]["model"]["params"]["lr_lambda"]["params"]["warm_up_steps"] == [2]
+    mixed = [
+        f"model.params.ckpt={v_ckpt}",
+        "data.train.params.root=.",
+        "model.params.unet_config.params.context_dim=64",
+    ]
+    cfg, _ = load_config([CONFIGS / "colossalai-flat-shape.yaml"], mixed)
+    with pytest.raises(ConfigError, match=r"^model.params.unet_config: holds settings both under params and directly"):
+        translate_compvis(cfg, Sources())
+
+
+def test_a_datasets_unknown_parameter_is_one_line_naming_it(v_ckpt, images, tmp_path, capsys):
+    from main import main
+
+    argv = ["-t", "-b", str(CONFIGS / "colossalai-shape.yaml"), "-l", str(tmp_path / "logs"),
+            f"model.params.ckpt={v_ckpt}", f"data.params.train.params.root={images}",
+            "data.params.train.params.file_path=/data/laion", *ON_CPU]  # fmt: skip
+    assert main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("INFO")]
+    assert lines == [
+        "data.params.train.params.file_path (command line): unknown parameter; valid: root, size, caption_key"
+    ]
+    assert not (tmp_path / "logs").exists(), "nothing was built"
+
+
+@pytest.mark.parametrize("trainable", ["unet", "unet+text_encoder"])
+def test_trained_parts_are_in_train_mode_while_they_train(trainable, part_files, images, tmp_path):
+    """Every module of a trained part is in train mode at every step (dropout reads it); frozen parts stay in
+    eval mode. Weights read by from_pretrained and from the part files arrive in eval mode."""
+    record = tmp_path / "modes.jsonl"
+    argv = ["-t", "-b", str(CONFIGS / "pokemon-shape.yaml"), "-l", str(tmp_path / "logs"),
+            *pokemon_overrides(part_files, images), *ON_CPU,
+            f"model.params.cond_stage_trainable={trainable == 'unet+text_encoder'}",
+            "lightning.callbacks.modes.target=tests.fixtures.compvis.RecordModes",
+            f"lightning.callbacks.modes.params.path={record}"]  # fmt: skip
+    train_once(argv, tmp_path / "logs")
+    steps = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(steps) == 2
+    for step in steps:
+        assert step["trainable"] == trainable.split("+")
+        for name, modes in step["modes"].items():
+            assert all(modes) if name in step["trainable"] else not any(modes), (name, modes)
 
 
 def test_pokemon_shape_fine_tunes_from_per_part_files_and_exports(part_files, images, tmp_path):
@@ -204,10 +267,12 @@ def test_a_config_with_three_mistakes_prints_three_lines(tiny_sd, tmp_path, caps
 
 
 @pytest.mark.skipif(importlib.util.find_spec("colossalai") is None, reason="needs Colossal-AI (make test-compat)")
-@pytest.mark.parametrize("name", ["colossalai-shape.yaml", "pokemon-shape.yaml"])
+@pytest.mark.parametrize("name", ["colossalai-shape.yaml", "colossalai-flat-shape.yaml", "pokemon-shape.yaml"])
 def test_their_strategy_blocks_become_gemini(name, v_ckpt, part_files, images):
-    """The example's strategy block, with its target (pokemon) or without (colossalai), as written."""
-    overrides = [f"model.params.ckpt={v_ckpt}", f"data.params.train.params.root={images}"]
+    """The example's strategy block, with its target (pokemon) or without (colossalai: under params, or its
+    settings held directly), as written."""
+    data_key = "data" if "flat" in name else "data.params"
+    overrides = [f"model.params.ckpt={v_ckpt}", f"{data_key}.train.params.root={images}"]
     if name.startswith("pokemon"):
         overrides = pokemon_overrides(part_files, images)
     cfg, sources = load_config([CONFIGS / name], overrides)

@@ -93,6 +93,7 @@ class LatentDiffusion(pl.LightningModule):
             else:
                 self._others[name] = part
         self._names = tuple(parts)
+        self.train(self.training)  # parts arrive in the mode they were read or built in: trained ones follow the system
         scheduler = self._others["scheduler"]
         self.prediction_type = scheduler.config.get("prediction_type", "epsilon")
         # Not a buffer: ZeRO / Gemini cast every floating buffer to fp16, and the schedule must stay float32.

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ldm.config import ConfigError, Problems, Sources, fail, to_plain
-from ldm.training.compvis_parts import translate_parts
+from ldm.training.compvis_parts import node_params, translate_parts
 from ldm.training.strategies import TARGET as COLOSSAL_TARGET
 from ldm.training.strategies.legacy import LEGACY_TARGETS
 
@@ -94,10 +94,11 @@ def translate_compvis(cfg: DictConfig, sources: Sources, scale_lr: bool = True) 
     """Rewrite, in place, the CompVis-shaped parts of a config as ours; log what was ignored, and why."""
     problems, ignored = Problems(), []
     model = cfg.get("model")
-    keys, compvis_model = {}, is_compvis_model(model)
+    compvis_model = is_compvis_model(model)
+    params = to_plain(model.get("params") or {}) if compvis_model else {}
+    with problems.check():  # before the model: the learning rate rule reads the batch size
+        _translate_data(cfg, {k: params.get(k) for k in ("first_stage_key", "cond_stage_key")}, ignored)
     if compvis_model:
-        params = to_plain(model.get("params") or {})
-        keys = {k: params.get(k) for k in ("first_stage_key", "cond_stage_key")}
         with problems.check():
             ours = _model_params(params, cfg, ignored)
             for k in model:
@@ -106,8 +107,6 @@ def translate_compvis(cfg: DictConfig, sources: Sources, scale_lr: bool = True) 
             cfg.model = OmegaConf.create({"target": MODEL_TARGET, "params": ours})
             if "base_learning_rate" in model:
                 cfg.model.params.learning_rate = _learning_rate(cfg, float(model.base_learning_rate), scale_lr)
-    with problems.check():
-        _translate_data(cfg, keys, ignored)
     with problems.check():
         _translate_lightning(cfg, ignored)
     strategy = ((cfg.get("lightning") or {}).get("trainer") or {}).get("strategy")
@@ -192,11 +191,11 @@ def _ema(use_ema: Any, cfg: DictConfig, key: str) -> None:
 
 
 def _lr_lambda(node: Any, key: str) -> dict:
-    node = dict(node or {})
-    target = node.get("target") or "ldm.lr_scheduler.LambdaLinearScheduler"  # the one CompVis configs use
+    target, params, _ = node_params(node, key)
+    target = target or "ldm.lr_scheduler.LambdaLinearScheduler"  # the one CompVis configs use
     if target not in LR_SCHEDULERS:
         raise ConfigError(f"{key}.target: {target} has no equivalent here; valid: {', '.join(LR_SCHEDULERS)}")
-    return {"target": LR_SCHEDULERS[target], "params": dict(node.get("params") or {})}
+    return {"target": LR_SCHEDULERS[target], "params": params}
 
 
 def _learning_rate(cfg: DictConfig, base: float, scale_lr: bool) -> float:
@@ -233,10 +232,10 @@ def _device_count(trainer: Mapping) -> int:
 
 def _translate_data(cfg: DictConfig, keys: dict, ignored: list[str]) -> None:
     data = cfg.get("data")
-    if not isinstance(data, Mapping):
+    if not isinstance(data, Mapping) or data.get("target") not in (*DATAMODULES, None):
         return
-    params = to_plain(data.get("params") or {})
-    if data.get("target") not in DATAMODULES and not (data.get("target") is None and "train" in params):
+    _, params, where = node_params(to_plain(data), "data")  # under data.params, or held directly by data
+    if data.get("target") is None and "train" not in params:
         return
     for k, reason in {
         "wrap": "any dataset with __len__ and __getitem__ is served as is",
@@ -249,7 +248,7 @@ def _translate_data(cfg: DictConfig, keys: dict, ignored: list[str]) -> None:
     }.items():
         if k in params:
             params.pop(k)
-            ignored.append(f"data.params.{k} ({reason})")
+            ignored.append(f"{where}.{k} ({reason})")
     if keys.get("first_stage_key"):
         params.setdefault("image_key", keys["first_stage_key"])
     if keys.get("cond_stage_key"):
@@ -287,4 +286,5 @@ def _translate_lightning(cfg: DictConfig, ignored: list[str]) -> None:
         raise ConfigError("lightning.trainer.resume_from_checkpoint: resume with -r PATH (or -r auto -n NAME)")
     strategy = trainer.get("strategy")
     if isinstance(strategy, Mapping) and not strategy.get("target"):  # the Colossal-AI example's block
-        trainer.strategy.target = "strategies.ColossalAIStrategy"
+        _, settings, _ = node_params(to_plain(strategy), "lightning.trainer.strategy")
+        trainer.strategy = {"target": "strategies.ColossalAIStrategy", "params": settings}

@@ -39,6 +39,24 @@ UNET_KEYS = {
 VAE_KEYS = {"embed_dim", "monitor", "ddconfig", "lossconfig", "from_pretrained", "image_key"}
 
 
+def node_params(node: Any, key: str) -> tuple[Any, dict, str]:
+    """A CompVis sub-config's target, params, and the key path of its params, in either form the Colossal-AI
+    example has shipped: `{target, params: {...}}`, or the settings held directly (`{warm_up_steps: ..., ...}`)."""
+    if node is None:
+        return None, {}, f"{key}.params"
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{key}: must be a mapping of target and params (or of the settings themselves)")
+    direct = [k for k in node if k not in ("target", "params")]
+    if direct and node.get("params") is not None:
+        raise ConfigError(
+            f"{key}: holds settings both under params and directly ({direct[0]}); write them one way, "
+            f"e.g. {key}.{direct[0]} or {key}.params.{direct[0]}"
+        )
+    if direct:
+        return node.get("target"), {k: node[k] for k in direct}, key
+    return node.get("target"), dict(node.get("params") or {}), f"{key}.params"
+
+
 def translate_parts(params: dict, ours: dict, from_weights: bool, ignored: list[str]) -> None:
     """The UNet, VAE and text encoder of `unet_config`, `first_stage_config` and `cond_stage_config`."""
     from diffusers.loaders.single_file_utils import (
@@ -48,41 +66,40 @@ def translate_parts(params: dict, ours: dict, from_weights: bool, ignored: list[
 
     key = "model.params"
     problems = Problems()
-    unet, vae = _node(params, "unet_config", UNETS), _node(params, "first_stage_config", VAES)
+    (unet, unet_key), (vae, vae_key) = _node(params, "unet_config", UNETS), _node(params, "first_stage_config", VAES)
     with problems.check():
-        _check_keys(unet, UNET_KEYS, f"{key}.unet_config.params")
+        _check_keys(unet, UNET_KEYS, unet_key)
     with problems.check():
-        _check_keys(vae, VAE_KEYS, f"{key}.first_stage_config.params")
+        _check_keys(vae, VAE_KEYS, vae_key)
     problems.raise_any()
     for k, reason in UNET_IGNORED.items():
         if k in unet:
-            ignored.append(f"{key}.unet_config.params.{k} ({reason})")
+            ignored.append(f"{unet_key}.{k} ({reason})")
     for k in ("monitor", "lossconfig", "image_key"):
         if k in vae:
-            ignored.append(f"{key}.first_stage_config.params.{k} (the VAE is not trained here)")
+            ignored.append(f"{vae_key}.{k} (the VAE is not trained here)")
     if unet.get("use_checkpoint"):
         ours.setdefault("gradient_checkpointing", True)
     ddconfig = dict(vae.get("ddconfig") or {})
     if vae and "embed_dim" in vae and vae["embed_dim"] != ddconfig.get("z_channels", vae["embed_dim"]):
-        raise ConfigError(f"{key}.first_stage_config.params.embed_dim: differs from ddconfig.z_channels")
+        raise ConfigError(f"{vae_key}.embed_dim: differs from ddconfig.z_channels")
     original = {"model": {"params": {**params, "unet_config": {"params": unet}}}}
     original["model"]["params"]["first_stage_config"] = {"params": {"ddconfig": ddconfig or {"ch_mult": [1, 2, 4, 4]}}}
     declared = {}
     with problems.check():
         if unet:
-            declared["unet"] = (f"{key}.unet_config", _converted(create_unet_diffusers_config_from_ldm, original, unet))
+            config = _converted(create_unet_diffusers_config_from_ldm, original, unet)
+            declared["unet"] = (f"{key}.unet_config", unet_key, config)
     with problems.check():
         if ddconfig:
-            declared["vae"] = (
-                f"{key}.first_stage_config",
-                _converted(create_vae_diffusers_config_from_ldm, original, ddconfig),
-            )
+            config = _converted(create_vae_diffusers_config_from_ldm, original, ddconfig)
+            declared["vae"] = (f"{key}.first_stage_config", vae_key, config)
     problems.raise_any()
-    for name, (where, config) in declared.items():
+    for name, (where, params_key, config) in declared.items():
         source = unet if name == "unet" else vae
         if source.get("from_pretrained"):
             if from_weights:
-                raise ConfigError(f"{where}.params.from_pretrained and {key}.ckpt both give the {name}'s weights")
+                raise ConfigError(f"{params_key}.from_pretrained and {key}.ckpt both give the {name}'s weights")
             ours.setdefault(name, {"config": config})
             ours.setdefault("part_weights", {})[name] = source["from_pretrained"]
         elif from_weights:
@@ -93,16 +110,12 @@ def translate_parts(params: dict, ours: dict, from_weights: bool, ignored: list[
     _text_encoder(params.get("cond_stage_config"), ours, from_weights, ignored)
 
 
-def _node(params: dict, name: str, targets: tuple[str, ...]) -> dict:
-    node = params.get(name)
-    if node is None:
-        return {}
-    if not isinstance(node, Mapping):
-        raise ConfigError(f"model.params.{name}: must be a mapping of target and params")
-    target = node.get("target")
+def _node(params: dict, name: str, targets: tuple[str, ...]) -> tuple[dict, str]:
+    """A part's params and their key path; a target, if given, must be the CompVis class this part translates."""
+    target, part, where = node_params(params.get(name), f"model.params.{name}")
     if target is not None and target not in targets:
         raise ConfigError(f"model.params.{name}.target: {target} has no equivalent here; valid: {', '.join(targets)}")
-    return dict(node.get("params") or {})
+    return part, where
 
 
 def _check_keys(params: dict, valid: set[str], key: str) -> None:
@@ -130,34 +143,34 @@ def _text_encoder(node: Any, ours: dict, from_weights: bool, ignored: list[str])
         return
     if not isinstance(node, Mapping):
         raise ConfigError(f"{key}: got {node!r}; a text-to-image model needs a text encoder (target and params)")
-    target = node.get("target") or (
+    target, params, where = node_params(node, key)
+    target = target or (
         "ldm.modules.encoders.modules.FrozenOpenCLIPEmbedder"
-        if "layer" in (node.get("params") or {}) or "arch" in (node.get("params") or {})
+        if "layer" in params or "arch" in params
         else "ldm.modules.encoders.modules.FrozenCLIPEmbedder"
     )
     if target not in TEXT_ENCODERS:
         raise ConfigError(f"{key}.target: {target} has no equivalent here; valid: {', '.join(TEXT_ENCODERS)}")
     family = FAMILIES[TEXT_ENCODERS[target]]
-    params = dict(node.get("params") or {})
     layer = params.pop("layer", "last")
     if layer != ("penultimate" if family.text_layout == "open_clip" else "last"):
         raise ConfigError(
-            f"{key}.params.layer: {layer!r}; Stable Diffusion's text encoders here condition on "
+            f"{where}.layer: {layer!r}; Stable Diffusion's text encoders here condition on "
             f"{'the penultimate' if family.text_layout == 'open_clip' else 'the last'} layer of {target.split('.')[-1]}"
         )
     max_length = int(params.pop("max_length", 77))
     weights, version = params.pop("from_pretrained", None), params.pop("version", None)
     for k in list(params):
         if k in ("freeze", "device", "use_fp16", "arch"):
-            ignored.append(f"{key}.params.{k} (the text encoder follows model.params.trainable and the precision)")
+            ignored.append(f"{where}.{k} (the text encoder follows model.params.trainable and the precision)")
             params.pop(k)
     if params:
-        raise ConfigError(f"{key}.params.{sorted(params)[0]}: not a setting that translates here")
+        raise ConfigError(f"{where}.{sorted(params)[0]}: not a setting that translates here")
     tokenizer = {"config": {"vocab": "clip", "model_max_length": max_length, "pad_token": family.pad_token}}
     config = json.loads((family.folder / "text_encoder" / "config.json").read_text())
     if weights is not None:
         if from_weights:
-            raise ConfigError(f"{key}.params.from_pretrained and model.params.ckpt both give the text encoder")
+            raise ConfigError(f"{where}.from_pretrained and model.params.ckpt both give the text encoder")
         ours.setdefault("text_encoder", {"config": config})
         ours.setdefault("part_weights", {})["text_encoder"] = weights
         ours.setdefault("tokenizer", tokenizer)
@@ -173,8 +186,8 @@ def _text_encoder(node: Any, ours: dict, from_weights: bool, ignored: list[str])
         ours.setdefault("tokenizer", {"pretrained": str(tokenizers[0])} if tokenizers else tokenizer)
     elif not from_weights:
         raise ConfigError(
-            f"{key}.params: the text encoder's weights come from local files only; set {key}.params.version to a "
-            f"local folder of a CLIP text model (or a diffusers folder), {key}.params.from_pretrained to a weights "
+            f"{where}: the text encoder's weights come from local files only; set {where}.version to a "
+            f"local folder of a CLIP text model (or a diffusers folder), {where}.from_pretrained to a weights "
             "file, or model.params.ckpt to a Stable Diffusion single file"
             + (f" ({version!r} is not a local folder)" if version else "")
         )
