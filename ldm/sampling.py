@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image, ImageDraw
@@ -16,6 +18,10 @@ SAMPLERS = {
     "pndm": "PNDMScheduler",
     "ddpm": "DDPMScheduler",
 }
+
+
+class SamplingStopped(Exception):
+    """`sample` stopped between denoising steps because its `stop()` said so."""
 
 
 def inference_scheduler(training_scheduler, sampler: str = "ddim"):
@@ -81,8 +87,17 @@ def sample(
     seed: int = 0,
     height: int | None = None,
     width: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[Image.Image]:
-    """Generate `num_per_prompt` images for each prompt, prompt-major, reproducibly from `seed`."""
+    """Generate `num_per_prompt` images for each prompt, prompt-major, reproducibly from `seed`.
+
+    `stop` is asked after every denoising step; when it returns True, `SamplingStopped` is raised."""
+
+    def check_stop(pipe: StableDiffusionPipeline, step: int, timestep: int, tensors: dict) -> dict:
+        if stop is not None and stop():
+            raise SamplingStopped(f"stopped at denoising step {step + 1} of {steps}")
+        return tensors
+
     images = []
     for i, prompt in enumerate(prompts):
         generator = torch.Generator(device="cpu").manual_seed(seed + i)
@@ -94,6 +109,7 @@ def sample(
             generator=generator,
             height=height,
             width=width,
+            callback_on_step_end=check_stop,
         )
         images.extend(out.images)
     return images

@@ -1,6 +1,7 @@
 """Fine-tune a tiny SD folder through main.py: checkpoint, resume, export, and load in diffusers."""
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -194,8 +195,12 @@ def test_resuming_never_runs_code_from_the_checkpoint(run, tiny_sd, image_folder
     assert not (tmp_path / "marker").exists()
 
 
-def test_resume_continues_step_and_data_position(tiny_sd, image_folder, tmp_path):
+def test_resume_continues_step_and_data_position(tiny_sd, image_folder, tmp_path, monkeypatch):
     logdir = tmp_path / "logs"
+    strftime = time.strftime  # both launches start in the same second, as a fast resume can
+    monkeypatch.setattr(
+        time, "strftime", lambda f, *t: "2026-01-01T00-00-00" if f == "%Y-%m-%dT%H-%M-%S" else strftime(f, *t)
+    )
     # 6 images, batch 2: 3 batches per epoch; stop after 4 steps, mid-way through epoch 1.
     assert main(args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=4")) == 0
     (run_dir,) = logdir.iterdir()

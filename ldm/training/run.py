@@ -13,13 +13,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from ldm.config import ConfigError, Sources, instantiate, load_config, rejected, to_plain
 from ldm.data import DataModule
 from ldm.training.callbacks.checkpoints import LAST, Checkpoints, saved_steps
+from ldm.training.callbacks.progress import StepProgressBar
 from ldm.training.callbacks.throughput import Throughput
 from ldm.training.checkpoint_io import CheckpointError, StreamingCheckpointIO
 from ldm.training.checks import check_config
@@ -135,9 +136,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
     for name, node in (lightning_cfg.get("callbacks") or {}).items():
         if node is not None:
             callbacks.append(instantiate(node, f"lightning.callbacks.{name}", REJECTIONS))
+    if trainer_kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(StepProgressBar())
     loggers = [
         TensorBoardLogger(run_dir, name="", version="tensorboard"),
-        CSVLogger(run_dir, name="csv", version=time.strftime("%Y-%m-%dT%H-%M-%S")),  # one file per launch
+        CSVLogger(run_dir, name="csv", version=launch_name(run_dir / "csv")),  # one file per launch
     ]
     plugins = [*(trainer_kwargs.pop("plugins", None) or []), StreamingCheckpointIO()]
     try:
@@ -146,6 +149,14 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
         )
     except REJECTIONS as err:  # e.g. an unknown strategy name, no GPU for gpu
         raise rejected("lightning.trainer", err) from None
+
+
+def launch_name(folder: Path) -> str:
+    """A name for this launch's logs in `folder`: its start time, with a count added if a launch that
+    started in the same second (a fast resume) already took it."""
+    stem = time.strftime("%Y-%m-%dT%H-%M-%S")
+    taken = {path.name for path in folder.glob(f"{stem}*")} if folder.is_dir() else set()
+    return next(name for name in (stem, *(f"{stem}-{n}" for n in range(2, len(taken) + 2))) if name not in taken)
 
 
 LOGGERS = ("ldm", "lightning.pytorch")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -10,11 +11,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from ldm.config import ConfigError
-from ldm.sampling import build_pipeline, check_samplable, image_grid, sample
+from ldm.sampling import SamplingStopped, build_pipeline, check_samplable, image_grid, sample
+
+log = logging.getLogger(__name__)
 
 
 class ImageLogger(pl.Callback):
-    """Generate `prompts` with the model being trained every `every_n_steps` optimizer steps."""
+    """Generate `prompts` with the model being trained every `every_n_steps` optimizer steps.
+
+    Images are `height` x `width` pixels, by default the size of the latest training batch. A stop signal
+    (see `Checkpoints`) ends sampling between two denoising steps; that grid is not written."""
 
     def __init__(
         self,
@@ -26,13 +32,17 @@ class ImageLogger(pl.Callback):
         sampler: str = "ddim",
         seed: int = 0,
         at_end: bool = True,
+        height: int | None = None,
+        width: int | None = None,
     ) -> None:
         if not prompts:
             raise ValueError("prompts: must list at least one prompt")
         self.prompts, self.every_n_steps, self.num_per_prompt = list(prompts), every_n_steps, num_per_prompt
         self.num_inference_steps, self.guidance_scale = num_inference_steps, guidance_scale
         self.sampler, self.seed, self.at_end = sampler, seed, at_end
+        self.height, self.width = height, width
         self._last_step = -1
+        self._trained_size: tuple[int, int] | None = None  # (height, width) of the latest batch, in pixels
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Fail before the first step, not at the first grid, when the model cannot be sampled."""
@@ -41,7 +51,8 @@ class ImageLogger(pl.Callback):
         except ValueError as err:
             raise ConfigError(f"lightning.callbacks: ImageLogger: {err}; switch it off (callbacks.NAME=null)") from None
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, *args) -> None:
+        self._trained_size = _pixel_size(batch, pl_module) or self._trained_size
         step = trainer.global_step
         if step and step != self._last_step and step % self.every_n_steps == 0:
             self._last_step = step
@@ -53,16 +64,23 @@ class ImageLogger(pl.Callback):
 
     @rank_zero_only
     @torch.no_grad()
-    def log_samples(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path:
-        """Sample the prompts, save `images/step_NNNNNN.png`, and add the grid to TensorBoard."""
+    def log_samples(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path | None:
+        """Sample the prompts, save `images/step_NNNNNN.png`, and add the grid to TensorBoard; None if a stop
+        signal ended sampling."""
+        height, width = self._trained_size or (None, None)
         was_training = pl_module.training
         pl_module.eval()
         try:
             pipe = build_pipeline(pl_module.parts, self.sampler)
             pipe.set_progress_bar_config(disable=True)
             images = sample(
-                pipe, self.prompts, self.num_per_prompt, self.num_inference_steps, self.guidance_scale, self.seed
-            )
+                pipe, self.prompts, self.num_per_prompt, self.num_inference_steps, self.guidance_scale, self.seed,
+                self.height or height, self.width or width,
+                stop=lambda: getattr(trainer.checkpoint_callback, "signal", None) is not None,
+            )  # fmt: skip
+        except SamplingStopped as err:
+            log.info("samples of step %d: %s by a stop signal; no grid written", trainer.global_step, err)
+            return None
         finally:
             pl_module.train(was_training)
         grid = image_grid(images, rows=len(self.prompts), labels=self.prompts)
@@ -74,3 +92,13 @@ class ImageLogger(pl.Callback):
             if hasattr(experiment, "add_image"):
                 experiment.add_image("samples", np.asarray(grid), trainer.global_step, dataformats="HWC")
         return path
+
+
+def _pixel_size(batch: dict, pl_module: pl.LightningModule) -> tuple[int, int] | None:
+    """The (height, width) in pixels of a training batch of images or of latents."""
+    if "pixel_values" in batch:
+        return tuple(batch["pixel_values"].shape[-2:])
+    if "latents" in batch:
+        factor = 2 ** (len(pl_module.parts.vae.config.block_out_channels) - 1)
+        return tuple(n * factor for n in batch["latents"].shape[-2:])
+    return None
