@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ldm.utils.atomic import atomic_path, verify
+from ldm.utils.atomic import atomic_path, honour_umask, verify
 from ldm.weights.formats import COLOSSAL_FILES, Format, detect, is_our_checkpoint
 
 
@@ -43,3 +43,30 @@ def test_atomic_path_publishes_whole_files_with_the_umask_mode(tmp_path):
             raise OSError("disk full")
     assert target.read_bytes() == b"weights", "a failed write leaves the published file as it was"
     assert sorted(p.name for p in target.parent.iterdir()) == ["model.safetensors", "model.safetensors.sha256"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
+def test_honour_umask_gives_a_written_tree_the_modes_of_new_files(tmp_path, umask):
+    """What libraries leave owner-only (temporary files, `mkdtemp` folders) gets the modes the umask gives."""
+    tree = tmp_path / "tree"
+    (tree / "unet").mkdir(parents=True)
+    (tree / "unet" / "weights.safetensors").write_bytes(b"w")
+    (tree / "model_index.json").write_text("{}")
+    (tree / "link").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_bytes(b"not ours")
+    for path, mode in [(tree, 0o700), (tree / "unet", 0o700), (tree / "unet" / "weights.safetensors", 0o600)]:
+        os.chmod(path, mode)
+    os.chmod(tmp_path / "elsewhere", 0o640)
+    previous = os.umask(umask)
+    try:
+        honour_umask(tree)
+    finally:
+        os.umask(previous)
+    found = {p.name: oct(p.stat().st_mode & 0o777) for p in [tree, *tree.rglob("*")] if not p.is_symlink()}
+    assert found == {
+        "tree": oct(0o777 & ~umask),
+        "unet": oct(0o777 & ~umask),
+        "weights.safetensors": oct(0o666 & ~umask),
+        "model_index.json": oct(0o666 & ~umask),
+    }
+    assert (tmp_path / "elsewhere").stat().st_mode & 0o777 == 0o640, "a link is not followed out of the tree"

@@ -10,6 +10,8 @@ python scripts/export_lora.py --ckpt logs/RUN/checkpoints/last.ckpt --out my-mod
 python scripts/export_lora.py --lora my-lora.safetensors --pretrained BASE --out my-model --merge
     # BASE: a diffusers folder, an original .safetensors / .ckpt, or one of our checkpoints
 
+A merged pipeline keeps the dtype of its base's weights (an fp16 base gives fp16 files); --half makes it fp16.
+
 An existing output is replaced, atomically: never by a half-written file.
 """
 
@@ -19,8 +21,7 @@ import argparse
 import sys
 
 from ldm.weights.checkpoint import load_checkpoint
-from ldm.weights.lora_file import checkpoint_about, merge_lora_file, save_lora
-from ldm.weights.pipeline_folder import write_pipeline
+from ldm.weights.lora_file import checkpoint_about, checkpoint_base, merge_lora_file, save_lora, write_merged
 from ldm.weights.read import parts_from_checkpoint
 
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", choices=["kohya", "diffusers"], help="LoRA file format (default: kohya)")
     parser.add_argument("--merge", action="store_true", help="write a diffusers pipeline with the LoRA merged in")
     parser.add_argument("--ema", action="store_true", help="export the EMA of the adapters")
+    parser.add_argument("--half", action="store_true", help="with --merge: fp16 weights (default: the base's dtype)")
     args = parser.parse_args(argv)
     if args.lora and not (args.merge and args.pretrained):
         parser.error("--lora FILE is merged into a model: give --pretrained BASE and --merge")
@@ -43,16 +45,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--format is for LoRA files; --merge writes a diffusers pipeline folder")
     if args.lora and args.ema:
         parser.error("--ema is for checkpoints; a LoRA file holds one set of adapters")
+    if args.half and not args.merge:
+        parser.error("--half goes with --merge; LoRA files keep their adapters in fp32")
     try:
         if args.lora:
-            out = merge_lora_file(args.lora, args.pretrained, args.out)
+            out = merge_lora_file(args.lora, args.pretrained, args.out, args.half)
         else:
             ckpt = load_checkpoint(args.ckpt)
             if not ckpt["ldm"].get("lora"):
                 raise ValueError(f"{args.ckpt}: not a LoRA checkpoint; export it with scripts/export_diffusers.py")
             parts = parts_from_checkpoint(ckpt, ema=args.ema, merge=args.merge)
             if args.merge:
-                out = write_pipeline(parts, args.out)
+                out = write_merged(parts, checkpoint_base(ckpt), args.out, args.half)
             else:
                 out = save_lora(parts, args.out, args.format or "kohya", about=checkpoint_about(ckpt))
     except (FileNotFoundError, ValueError) as err:

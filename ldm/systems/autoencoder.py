@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ldm.components.build import PartSpec, build_part
+from ldm.utils.atomic import honour_umask
 
 
 class AutoencoderTraining(pl.LightningModule):
@@ -52,4 +53,5 @@ def save_calibrated_vae(vae: torch.nn.Module, images: torch.Tensor, out_dir: str
     factor = float(1.0 / latents.std())
     vae.register_to_config(scaling_factor=factor)
     vae.save_pretrained(out_dir, safe_serialization=True)
+    honour_umask(out_dir)
     return factor

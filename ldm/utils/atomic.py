@@ -49,12 +49,19 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _umask_mode(path: Path) -> None:
-    """Give a finished file the mode a plain `open(path, "w")` would (temp files can be 0600)."""
+def honour_umask(path: str | Path) -> None:
+    """Give a written file, or a folder and everything in it, the modes the umask gives new files and folders,
+    as a plain `open(path, "w")` and `mkdir` would.
+
+    Libraries that write through temporary files leave them 0600 (safetensors' `save_file`, so diffusers'
+    and transformers' `save_pretrained`; `tempfile.mkdtemp` folders are 0700): a folder copied to a shared
+    model directory or a container would then be readable by its owner only."""
+    path = Path(path)
     umask = os.umask(0)
     os.umask(umask)
-    for file in files_of(path):
-        os.chmod(file, 0o666 & ~umask)
+    inside = [p for p in path.rglob("*") if not p.is_symlink()] if path.is_dir() else []
+    for written in [path, *inside]:
+        os.chmod(written, (0o777 if written.is_dir() else 0o666) & ~umask)
 
 
 def replace_path(new: Path, final: Path) -> None:
@@ -104,7 +111,7 @@ def atomic_path(final: str | Path, checksum: bool = False) -> Iterator[Path]:
     remove_path(partial)
     try:
         yield partial
-        _umask_mode(partial)
+        honour_umask(partial)
         publish(partial, final, checksum)
     finally:
         remove_path(partial)

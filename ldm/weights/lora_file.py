@@ -8,7 +8,9 @@ diffusers' is `pytorch_lora_weights.safetensors` in a folder, for `pipe.load_lor
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping
+from math import prod
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +21,9 @@ from ldm.components.families import family_of
 from ldm.components.lora import add_lora, lora_layers, merged
 from ldm.components.lora_keys import kohya_state_dict, lora_modules, read_adapters
 from ldm.utils.atomic import atomic_path
+from ldm.weights.checkpoint import load_pickle
+from ldm.weights.formats import Format, detect
+from ldm.weights.keymaps import UNET, VAE
 from ldm.weights.pipeline_folder import write_pipeline
 from ldm.weights.read import read_parts
 from ldm.weights.single_file import modelspec
@@ -91,11 +96,16 @@ def kohya_metadata(parts: Parts, state: Mapping[str, torch.Tensor], name: str) -
 
 def checkpoint_about(ckpt: dict) -> dict[str, str]:
     """What a LoRA file's metadata says of the run it comes from, as sd-scripts names it: steps, base model."""
-    params = ((ckpt.get("ldm") or {}).get("config") or {}).get("model", {}).get("params", {})
     about = {"ss_steps": str(ckpt.get("global_step", 0))}
-    if params.get("pretrained"):
-        about["ss_sd_model_name"] = Path(str(params["pretrained"])).name
+    if base := checkpoint_base(ckpt):
+        about["ss_sd_model_name"] = Path(base).name
     return about
+
+
+def checkpoint_base(ckpt: dict) -> str | None:
+    """The model a run started from (its `model.params.pretrained`), or None."""
+    params = ((ckpt.get("ldm") or {}).get("config") or {}).get("model", {}).get("params", {})
+    return str(params["pretrained"]) if params.get("pretrained") else None
 
 
 def save_diffusers_lora(parts: Parts, out_dir: str | Path) -> Path:
@@ -117,13 +127,74 @@ def save_diffusers_lora(parts: Parts, out_dir: str | Path) -> Path:
 
 def merge_lora_file(lora: str | Path, pretrained: str | Path, out_dir: str | Path, half: bool = False) -> Path:
     """Merge a LoRA file (kohya's or diffusers' format) into the model `pretrained` (a diffusers folder,
-    an original single file or one of our checkpoints) and write a diffusers pipeline folder."""
+    an original single file or one of our checkpoints) and write a diffusers pipeline folder in the base's
+    dtypes, or in fp16 with `half` (`write_merged`)."""
     parts = read_parts(pretrained, where="--pretrained")
     covered = tuple(read_adapters(lora, parts, "--lora"))
     add_lora(parts, covered, {"init_from": str(lora)}, key="--lora", where="--lora")
     for name in covered:
         parts[name] = merged(parts[name])
+    return write_merged(parts, pretrained, out_dir, half)
+
+
+def write_merged(parts: Parts, base: str | Path | None, out_dir: str | Path, half: bool = False) -> Path:
+    """Write `parts`, LoRA adapters merged in (in fp32), as a diffusers pipeline folder: each network in the
+    dtype its weights have in `base`, the model merged into (`stored_dtypes`; fp32 where it does not say),
+    or all in fp16 with `half`. A merge into an fp16 base so stays fp16, not twice its size."""
+    if not half:
+        dtypes = stored_dtypes(base) if base is not None else {}
+        for name, module in parts.networks.items():
+            # torch's own `to`: diffusers' warns of fp32-only modules even where a model has none
+            torch.nn.Module.to(module, dtypes.get(name, torch.float32))
     return write_pipeline(parts, out_dir, half=half)
+
+
+# Where each network's weights are in our checkpoints, then in original single files.
+_PART_PREFIXES = {
+    "unet": ("unet.", UNET),
+    "vae": ("vae.", VAE),
+    "text_encoder": ("text_encoder.", "cond_stage_model."),
+}
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def stored_dtypes(path: str | Path) -> dict[str, torch.dtype]:
+    """The dtype of each network's weights as stored at `path` (a diffusers folder, an original single file
+    or one of our checkpoints): the floating dtype that holds most of its numbers. Of safetensors files only
+    the headers are read; a network `path` holds no weights of is left out."""
+    path = Path(path).expanduser()
+    kind = detect(path)
+    counts: dict[str, Counter] = defaultdict(Counter)
+    if kind is Format.DIFFUSERS:
+        for part in _PART_PREFIXES:  # the files from_pretrained reads: no variants (`*.fp16.safetensors`)
+            for file in sorted((path / part).glob("*")):
+                if file.suffix in (".safetensors", ".bin") and len(file.suffixes) == 1:
+                    for _, dtype, numel in _floating_tensors(file):
+                        counts[part][dtype] += numel
+    elif kind is Format.FILE:
+        for key, dtype, numel in _floating_tensors(path):
+            part = next((p for p, prefixes in _PART_PREFIXES.items() if key.startswith(prefixes)), None)
+            if part:
+                counts[part][dtype] += numel
+    return {part: numbers.most_common(1)[0][0] for part, numbers in counts.items()}
+
+
+def _floating_tensors(file: Path) -> Iterator[tuple[str, torch.dtype, int]]:
+    """(name, dtype, number of elements) of each floating tensor of a safetensors or pickle weights file."""
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), "pt") as handle:
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                if piece.get_dtype() in _SAFETENSORS_DTYPES:
+                    yield key, _SAFETENSORS_DTYPES[piece.get_dtype()], prod(piece.get_shape())
+        return
+    obj = load_pickle(file)
+    state = obj.get("state_dict", obj) if isinstance(obj, dict) else {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            yield key, value.dtype, value.numel()
 
 
 _NO_ADAPTERS = "no LoRA adapters to export: this checkpoint was not trained with model.params.lora"

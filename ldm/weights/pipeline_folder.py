@@ -13,7 +13,7 @@ from pathlib import Path
 from ldm.components import Parts
 from ldm.components.tokenizers import write_both_tokenizer_forms
 from ldm.sampling import build_pipeline
-from ldm.utils.atomic import atomic_path
+from ldm.utils.atomic import atomic_path, honour_umask
 from ldm.weights import text_model
 from ldm.weights.extras import writable, write_extras
 
@@ -34,13 +34,14 @@ def write_pipeline(parts: Parts, out_dir: str | Path, sampler: str = "ddim", hal
 
 
 def make_portable(folder: str | Path) -> Path:
-    """Make a diffusers SD folder load the same under transformers 4.51 and 5.
+    """Make a diffusers SD folder load the same under transformers 4.51 and 5, and for other users.
 
     transformers >= 5.6 writes the CLIP text encoder's weights without their `text_model.` prefix
     and the tokenizer as `tokenizer.json` only; transformers 4.51 then leaves the text encoder
     silently random and cannot build the tokenizer. Both versions read the older weight layout, so
     this restores the prefix (`ldm.weights.text_model`); and it writes both tokenizer forms, each
-    made from the other.
+    made from the other. `save_pretrained` leaves weights files 0600: every file and folder gets the
+    mode the umask gives (`ldm.utils.atomic.honour_umask`).
     """
     from safetensors.torch import load_file, save_file
 
@@ -54,4 +55,5 @@ def make_portable(folder: str | Path) -> Path:
             with atomic_path(weights) as partial:
                 save_file(text_model.with_prefix(state), str(partial), metadata={"format": "pt"})
     write_both_tokenizer_forms(folder / "tokenizer")
+    honour_umask(folder)
     return folder

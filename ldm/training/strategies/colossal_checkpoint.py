@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from ldm.utils.atomic import PARTIAL_SUFFIX, remove_path, replace_path
+from ldm.utils.atomic import PARTIAL_SUFFIX, honour_umask, remove_path, replace_path
 from ldm.weights.formats import COLOSSAL_FILES, Format, detect
 
 # torch reads this at every `torch.load` call (torch >= 2.4).
@@ -67,6 +67,7 @@ class BoosterCheckpoints:
             rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             rest["colossalai"] = {"plugin": self.plugin_name, "precision": self.precision_plugin.plugin_precision}
             torch.save(rest, partial / COLOSSAL_FILES["trainer"])
+            honour_umask(partial)  # safetensors leaves its files 0600
             replace_path(partial, path)
         self.barrier("colossalai_checkpoint_saved")
 
