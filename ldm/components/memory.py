@@ -57,6 +57,8 @@ def prepare_for_training(
             if hasattr(module, "enable_gradient_checkpointing"):  # diffusers models
                 module.enable_gradient_checkpointing()
             elif hasattr(module, "gradient_checkpointing_enable"):  # transformers models
-                module.gradient_checkpointing_enable()
+                # Non-reentrant: transformers 4.x checkpoints re-entrantly by default, which passes no gradient
+                # to adapters inside a checkpointed layer when the layer's input (frozen embeddings) has none.
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if channels_last and any(isinstance(m, torch.nn.Conv2d) for m in module.modules()):
             module.to(memory_format=torch.channels_last)
