@@ -60,3 +60,18 @@ def test_half_precision_becomes_bf16_on_a_cpu_in_one_log_line(tiny_sd, image_fol
     (line,) = [r.getMessage() for r in caplog.records if "fp16" in r.getMessage()]
     assert "lightning.trainer.precision: 16-mixed -> bf16-mixed" in line
     assert "model.params.frozen_dtype: float16 -> bfloat16" in line
+
+
+@pytest.mark.parametrize(
+    "strategy", ["ldm.training.strategies.ColossalAIStrategy", "lightning.pytorch.strategies.ColossalAIStrategy"]
+)
+def test_colossal_ai_keeps_its_precision_on_a_cpu(strategy):
+    """Colossal-AI runs its own fp16 (with fp32 masters), also under an old config's strategy target."""
+    from omegaconf import OmegaConf
+
+    from ldm.training.checks import half_precision_on_a_cpu
+
+    trainer = {"accelerator": "cpu", "precision": 16, "strategy": {"target": strategy}}
+    cfg = OmegaConf.create({"model": {"params": {"frozen_dtype": "float16"}}, "lightning": {"trainer": trainer}})
+    half_precision_on_a_cpu(cfg)
+    assert cfg.lightning.trainer.precision == 16 and cfg.model.params.frozen_dtype == "float16"

@@ -185,7 +185,7 @@ def half_precision_on_a_cpu(cfg: DictConfig) -> None:
     strategy = trainer.get("strategy")
     accelerator = str(trainer.get("accelerator") or "auto")
     on_cpu = accelerator == "cpu" or accelerator == "auto" and not torch.cuda.is_available()
-    if not on_cpu or isinstance(strategy, Mapping) and strategy.get("target") == COLOSSAL_TARGET:
+    if not on_cpu or isinstance(strategy, Mapping) and strategy.get("target") in (COLOSSAL_TARGET, *LEGACY_TARGETS):
         return
     changed = []
     params = (cfg.get("model") or {}).get("params") or {}
