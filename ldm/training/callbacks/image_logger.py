@@ -42,7 +42,7 @@ class ImageLogger(pl.Callback):
         self.sampler, self.seed, self.at_end = sampler, seed, at_end
         self.height, self.width = height, width
         self._last_step = -1
-        self._trained_size: tuple[int, int] | None = None  # (height, width) of the latest batch, in pixels
+        self._trained: tuple[str, tuple[int, int]] | None = None  # the latest batch's key and (height, width)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Fail before the first step, not at the first grid, when the model cannot be sampled."""
@@ -52,7 +52,9 @@ class ImageLogger(pl.Callback):
             raise ConfigError(f"lightning.callbacks: ImageLogger: {err}; switch it off (callbacks.NAME=null)") from None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, *args) -> None:
-        self._trained_size = _pixel_size(batch, pl_module) or self._trained_size
+        key = next((k for k in ("pixel_values", "latents") if k in batch), None)
+        if key is not None:
+            self._trained = key, tuple(batch[key].shape[-2:])
         step = trainer.global_step
         if step and step != self._last_step and step % self.every_n_steps == 0:
             self._last_step = step
@@ -62,17 +64,26 @@ class ImageLogger(pl.Callback):
         if self.at_end and trainer.global_step != self._last_step:
             self.log_samples(trainer, pl_module)
 
+    def _trained_size(self, pipe) -> tuple[int | None, int | None]:
+        """(height, width) in pixels of the latest training batch: its images', or its latents' times the VAE's
+        factor; (None, None), the pipeline's default, before the first batch."""
+        if self._trained is None:
+            return None, None
+        key, (height, width) = self._trained
+        factor = pipe.vae_scale_factor if key == "latents" else 1
+        return height * factor, width * factor
+
     @rank_zero_only
     @torch.no_grad()
     def log_samples(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path | None:
         """Sample the prompts, save `images/step_NNNNNN.png`, and add the grid to TensorBoard; None if a stop
         signal ended sampling."""
-        height, width = self._trained_size or (None, None)
         was_training = pl_module.training
         pl_module.eval()
         try:
             pipe = build_pipeline(pl_module.parts, self.sampler)
             pipe.set_progress_bar_config(disable=True)
+            height, width = self._trained_size(pipe)
             images = sample(
                 pipe, self.prompts, self.num_per_prompt, self.num_inference_steps, self.guidance_scale, self.seed,
                 self.height or height, self.width or width,
@@ -92,13 +103,3 @@ class ImageLogger(pl.Callback):
             if hasattr(experiment, "add_image"):
                 experiment.add_image("samples", np.asarray(grid), trainer.global_step, dataformats="HWC")
         return path
-
-
-def _pixel_size(batch: dict, pl_module: pl.LightningModule) -> tuple[int, int] | None:
-    """The (height, width) in pixels of a training batch of images or of latents."""
-    if "pixel_values" in batch:
-        return tuple(batch["pixel_values"].shape[-2:])
-    if "latents" in batch:
-        factor = 2 ** (len(pl_module.parts.vae.config.block_out_channels) - 1)
-        return tuple(n * factor for n in batch["latents"].shape[-2:])
-    return None
