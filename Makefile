@@ -1,15 +1,16 @@
 # `make quickstart` and `make test` set up .venv on a fresh machine, then run.
-# TORCH picks the torch build: the default is a CPU-friendly pin; on an NVIDIA machine use e.g.
-#   make quickstart TORCH="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124"
+# TORCH picks the torch build, always with its matching torchvision (streaming shards import it). The default
+# is a CUDA build that also runs on a CPU; on an NVIDIA machine with older drivers use e.g.
+#   make quickstart TORCH="torch==2.5.1 torchvision==0.20.1 --index-url https://download.pytorch.org/whl/cu124"
 PYTHON ?= python3
-TORCH ?= torch==2.13.0
+TORCH ?= torch==2.14.1 torchvision==0.29.1
 VENV := .venv
 PY := $(VENV)/bin/python
 
 # The Colossal-AI environment, also the oldest stack we support: Colossal-AI 0.5 pins torch<=2.5.1,
 # diffusers 0.29, transformers 4.51 and peft<=0.13.2.
 COMPAT := .venv-compat
-COMPAT_PINS := torch==2.5.1 diffusers==0.29.0 transformers==4.51.3 "peft<=0.13.2"
+COMPAT_PINS := torch==2.5.1 torchvision==0.20.1 diffusers==0.29.0 transformers==4.51.3 "peft<=0.13.2"
 
 .PHONY: setup quickstart test test-compat lint format bench clean
 
@@ -18,7 +19,7 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
-	# open_clip_torch only for its CLIP BPE vocabulary file; --no-deps keeps torchvision out.
+	# open_clip_torch only for its CLIP BPE vocabulary file; --no-deps keeps its other dependencies out.
 	$(PY) -m pip install -q --no-deps open_clip_torch
 	touch $@
 

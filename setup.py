@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+PRETRAIN = ["streaming-community>=0.14.2,<0.15"]
+
 setup(
     name="ldm",
     version="0.1.0",
@@ -36,6 +38,9 @@ setup(
     extras_require={
         "colossalai": ["colossalai>=0.5.0,<0.6"],  # pins torch<=2.5.1 (see README, "Colossal-AI")
         "xformers": ["xformers>=0.0.27"],
-        "dev": ["pytest>=8", "ruff>=0.6"],
+        # Precomputed shards, streamed and mixed (README, "Pretrain from scratch"). streaming imports torchvision,
+        # so torch needs its matching torchvision (torch 2.14.1 + torchvision 0.29.1, or 2.5.1 + 0.20.1).
+        "pretrain": PRETRAIN,
+        "dev": ["pytest>=8", "ruff>=0.6", *PRETRAIN],  # the tests train from shards too
     },
 )
