@@ -33,6 +33,7 @@ setup(
             "ldm-export-lora=ldm.cli.export_lora:main",
             "ldm-sample=ldm.cli.txt2img:main",
             "ldm-plan-memory=ldm.cli.plan_memory:main",
+            "ldm-precompute=ldm.cli.precompute:main",
         ]
     },
     extras_require={

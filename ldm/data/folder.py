@@ -197,11 +197,16 @@ def _read_caption(path: Path) -> str:
         ) from None
 
 
-def load_image(path: Path, size: int, channels: int, random_crop: bool, flip: bool, rng: random.Random) -> torch.Tensor:
+def load_image(
+    path: Path, size: int, channels: int, random_crop: bool, flip: bool, rng: random.Random
+) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
     """Read an image, resize its short side to `size`, crop `size` x `size`, maybe flip; to [-1, 1].
 
-    Raises `BadImage` for a file that cannot be decoded."""
+    Returns the pixels, the image's (height, width) before resizing and the crop's (top, left) in the resized
+    image as served (measured from the left edge of the flipped image when flipped). Raises `BadImage` for a
+    file that cannot be decoded."""
     image = decode_image(path, channels)
+    original_size = (image.height, image.width)
     w, h = image.size
     scale = size / min(w, h)
     image = image.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.Resampling.BICUBIC)
@@ -211,13 +216,16 @@ def load_image(path: Path, size: int, channels: int, random_crop: bool, flip: bo
     image = image.crop((left, top, left + size, top + size))
     if flip and rng.random() < 0.5:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        left = w - size - left
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     tensor = torch.from_numpy(array)
-    return tensor.permute(2, 0, 1).contiguous() if channels == 3 else tensor.unsqueeze(0)
+    pixels = tensor.permute(2, 0, 1).contiguous() if channels == 3 else tensor.unsqueeze(0)
+    return pixels, original_size, (top, left)
 
 
 class FolderDataset(Dataset):
-    """Captioned images from a folder, as `{"pixel_values": (C, size, size) in [-1, 1], "caption"}`.
+    """Captioned images from a folder, as `{"pixel_values": (C, size, size) in [-1, 1], "caption"}`, with each
+    image's `original_size` (height, width) and `crop_top_left` (top, left; see `load_image`).
 
     `examples` holds each image once; `example_index[i]` is the one served at index `i`, so an image of a
     kohya concept folder `10_name` fills 10 indices and `len()` is the epoch's length (see `find_examples`)."""
@@ -266,16 +274,25 @@ class FolderDataset(Dataset):
             candidate = (first + step) % len(self.examples)
             if candidate in self.bad:
                 continue
-            path, caption = self.examples[candidate]
             try:
-                pixels = load_image(path, self.size, self.channels, self.random_crop, self.flip, random.Random(seed))
+                return self._load(candidate, seed)
             except BadImage as err:
                 if self.on_bad_sample == "error":
                     raise BadImage(f"{err}; set data.params.on_bad_sample: skip to train without such files") from None
                 self._skip(candidate, str(err))
-                continue
-            return {"pixel_values": pixels, "caption": caption}
         raise BadImage(f"root: none of the {len(self.examples)} images in {self.root} can be decoded")
+
+    def load(self, index: int, seed: int) -> dict:
+        """The example at `index` itself, its random crop and flip drawn from `seed`; raises `BadImage` for
+        an undecodable file (where `get` serves the next image instead)."""
+        return self._load(self.example_index[index], seed)
+
+    def _load(self, example: int, seed: int) -> dict:
+        path, caption = self.examples[example]
+        pixels, size, crop = load_image(
+            path, self.size, self.channels, self.random_crop, self.flip, random.Random(seed)
+        )
+        return {"pixel_values": pixels, "caption": caption, "original_size": size, "crop_top_left": crop}
 
     def _skip(self, index: int, reason: str) -> None:
         self.bad.add(index)
