@@ -160,3 +160,21 @@ class PoisonBatch(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step + 1 in self.steps:
             batch["pixel_values"].fill_(float("nan"))
+
+
+class RecordSamples(pl.Callback):
+    """Append `{"step", "keys", "dropped", "loss"}` of every training batch to `DIR/samples-RANK.jsonl`: which
+    samples (`source/key`) the batch held and which had their caption dropped."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        row = {
+            "step": trainer.global_step,
+            "keys": [f"{s}/{k}" for s, k in zip(batch["source"], batch["key"])],
+            "dropped": [caption == "" for caption in batch["caption"]],
+            "loss": outputs["loss"].item() if outputs else None,
+        }
+        with (self.folder / f"samples-{trainer.global_rank}.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -127,6 +127,15 @@ class _LatentCache(Dataset):
         return example
 
 
+def trainer_position(trainer: pl.Trainer) -> dict[str, int]:
+    """The epoch and how many of its batches the trainer has consumed (prefetched batches not counted)."""
+    loop = trainer.fit_loop
+    return {
+        "epoch": loop.epoch_progress.current.completed,
+        "batches_done": loop.epoch_loop.batch_progress.current.processed,
+    }
+
+
 class ResumableDataLoader(DataLoader):
     """A DataLoader whose position Lightning stores in checkpoints and restores on resume.
 
@@ -270,16 +279,8 @@ class DataModule(pl.LightningDataModule):
             drop_last=self.drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
-            position=self._position,
+            position=lambda: trainer_position(self.trainer),
             # Worker seeds come from here, not the global generator, so starting an epoch's iterator
             # draws nothing from the random state a resumed run restores.
             generator=torch.Generator().manual_seed(self.seed),
         )
-
-    def _position(self) -> dict[str, int]:
-        """The epoch and how many of its batches the trainer has consumed."""
-        loop = self.trainer.fit_loop
-        return {
-            "epoch": loop.epoch_progress.current.completed,
-            "batches_done": loop.epoch_loop.batch_progress.current.processed,
-        }

@@ -233,6 +233,8 @@ def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> C
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
         # The non-finite loss guard returns None on purpose, and logs the step itself.
         warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
+        # Shards know their length per process and split it between workers themselves.
+        warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
         # weights_only: resuming never runs code from the checkpoint (ours hold tensors and plain types only)
         try:
             trainer.fit(model, datamodule=datamodule, ckpt_path=resumed.ckpt if resumed else None, weights_only=True)

@@ -1,0 +1,299 @@
+"""Train from precomputed shards (`scripts/precompute.py`), streamed and mixed from several sources.
+
+`ShardDataModule` reads the MDS shards of `ldm.data.shard_format` with mosaicml-streaming's `StreamingDataset`
+(the `streaming-community` package): local folders, or object stores (`s3://`, `gs://`, ...) through the
+library's own downloaders, credentials from the environment. Sources are mixed by `proportion`, `repeat` or
+`choose`, as the library's `Stream`s weigh them.
+
+The order is a function of the seed alone. With `num_canonical_nodes` fixed, the library splits one global
+sample order over the ranks, so the number of processes and nodes does not change which samples make up
+global step N. Caption dropout is drawn from (seed, epoch, sample), not from a rank's random state.
+Checkpoints hold the position in that order: a resumed run continues with the samples an unbroken run saw.
+
+The examples hold the latents and the text conditioning, so the VAE encoder and the text encoder do not run
+in training; the model still loads them, frozen: sample grids and exports use them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, TypedDict
+
+import lightning.pytorch as pl
+import numpy as np
+
+try:
+    from streaming import Stream, StreamingDataset
+    from streaming.base.storage import CloudDownloader
+except ImportError as err:  # not installed, or its torchvision does not match torch
+    raise ImportError(
+        f"{err}; training from shards needs the pretrain extra: pip install -e '.[pretrain]' (streaming-community, "
+        "which imports torchvision: install the torchvision release that matches your torch)"
+    ) from err
+
+from ldm.config import ConfigError
+from ldm.data import ResumableDataLoader, trainer_position
+from ldm.data.shard_format import MANIFEST, UNCONDITIONAL, read_manifest, read_unconditional, to_example
+
+log = logging.getLogger(__name__)
+
+# Manifest entries that must agree between sources: shards of other encoders cannot be trained together.
+MUST_AGREE = ("conditioning", "cond_shapes", "scaling_factor", "encoders")
+
+
+class Source(TypedDict, total=False):
+    """`data.params.sources[i]`: one folder of shards and its weight in the mix."""
+
+    path: str  # a local folder, or a remote URI (s3://, gs://, oci://, ...)
+    name: str  # default: the folder's name
+    proportion: float  # the share of each epoch drawn from this source
+    repeat: float  # or: how many times each of its samples is seen per epoch
+    choose: int  # or: how many of its samples per epoch
+    cache: str  # where a remote source's shards are kept (default: data.params.cache_dir/NAME); with a local
+    # path, the path is read as a remote and copied here
+
+
+class _LatentShards(StreamingDataset):
+    """The shards' samples as training examples, the caption dropped by a draw from (seed, epoch, sample)."""
+
+    def __init__(self, *, unconditional: dict, caption_dropout: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.unconditional, self.caption_dropout = unconditional, caption_dropout
+
+    def get_item(self, sample_id: int, retry: int = 7) -> dict:
+        sample = super().get_item(sample_id, retry)
+        dropped = False
+        if self.caption_dropout:
+            epoch = self.next_epoch - 1  # the epoch being iterated (the library advances it as iteration starts)
+            dropped = np.random.default_rng((self.shuffle_seed, epoch, sample_id)).random() < self.caption_dropout
+        return to_example(sample, self.unconditional if dropped else None)
+
+    def lock_files(self) -> list[Path]:
+        """The lock files the library made for this dataset in the temporary folder (it never removes them)."""
+        return [Path(self._shared_barrier.filelock_path), Path(self._cache_filelock_path)]
+
+
+class _ShardLoader(ResumableDataLoader):
+    """A loader whose checkpointed position is the library's global sample offset within the epoch."""
+
+    def __init__(self, *args: Any, world_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.world_size = world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        position = self.position()
+        samples = position["batches_done"] * self.batch_size * self.world_size
+        streaming = self.dataset.state_dict(samples, from_beginning=True)
+        return {**position, "streaming": {**streaming, "epoch": position["epoch"]}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        streaming = dict(state["streaming"])
+        if state["batches_done"] >= len(self):  # saved at the end of an epoch: the next one starts from its beginning
+            streaming.update(epoch=state["epoch"] + 1, sample_in_epoch=0)
+        self.dataset.load_state_dict(streaming)
+
+
+def _check_proportions(sources: list[dict]) -> None:
+    """Proportions are shares of an epoch: every source has one or none does, and they add up to 1."""
+    given = [i for i, source in enumerate(sources) if source.get("proportion") is not None]
+    if not given:
+        return
+    if len(given) != len(sources):
+        missing = ", ".join(f"sources[{i}]" for i in range(len(sources)) if i not in given)
+        raise ConfigError(
+            f"data.params.{missing}: no proportion, where other sources have one; give every source a proportion "
+            "(shares of an epoch, adding up to 1), or weigh them all by repeat / choose"
+        )
+    shares = [float(sources[i]["proportion"]) for i in given]
+    if any(share < 0 for share in shares) or abs(sum(shares) - 1.0) > 1e-6:
+        listed = " + ".join(f"{share:g}" for share in shares)
+        raise ConfigError(
+            f"data.params.sources: the proportions add up to {sum(shares):g} ({listed}), not 1; they are each "
+            "source's share of an epoch"
+        )
+
+
+class ShardDataModule(pl.LightningDataModule):
+    """Serve precomputed shards from `sources` to `LatentDiffusion`, mixed, in an order set by `seed` alone.
+
+    `batch_size` is per process, as everywhere in Lightning: the global batch is `batch_size` x processes.
+    `num_canonical_nodes` fixes the library's partition of the sample order: keep it the same across runs
+    that should see the same order (resumes on other node counts included). `epoch_size` (samples per epoch)
+    defaults to the weighted size of the sources."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        batch_size: int = 1,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        caption_dropout: float = 0.0,
+        cache_dir: str = "~/.cache/ldm/shards",
+        num_canonical_nodes: int = 1,
+        epoch_size: int | None = None,
+        predownload: int | None = None,
+        cache_limit: str | None = None,
+        download_timeout: float = 60.0,
+    ) -> None:
+        super().__init__()
+        if not sources:
+            raise ConfigError("data.params.sources: empty; list at least one {path: FOLDER_OR_URI}")
+        if not 0.0 <= caption_dropout <= 1.0:
+            raise ConfigError(f"data.params.caption_dropout: got {caption_dropout}; must be in [0, 1]")
+        for key, value, least in (("batch_size", batch_size, 1), ("num_canonical_nodes", num_canonical_nodes, 1)):
+            if value < least:
+                raise ConfigError(f"data.params.{key}: got {value}; must be at least {least}")
+        if seed < 0:
+            raise ConfigError(f"data.params.seed: got {seed}; must be 0 or more")
+        self.sources = [self._check_source(i, dict(source)) for i, source in enumerate(sources)]
+        names = [source["name"] for source in self.sources]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"data.params.sources: two sources have the same name ({', '.join(names)}); name them")
+        _check_proportions(self.sources)
+        self.batch_size, self.num_workers, self.shuffle, self.seed = batch_size, num_workers, shuffle, seed
+        self.caption_dropout, self.cache_dir = caption_dropout, Path(cache_dir).expanduser()
+        self.num_canonical_nodes, self.epoch_size = num_canonical_nodes, epoch_size
+        self.predownload, self.cache_limit, self.download_timeout = predownload, cache_limit, download_timeout
+        self.dataset: _LatentShards | None = None
+        self.manifests: list[dict] = []
+
+    @staticmethod
+    def _check_source(i: int, source: dict) -> dict:
+        key = f"data.params.sources[{i}]"
+        if not source.get("path"):
+            raise ConfigError(f"{key}.path: missing; a folder written by scripts/precompute.py, or its remote URI")
+        weights = [k for k in ("proportion", "repeat", "choose") if source.get(k) is not None]
+        if len(weights) > 1:
+            raise ConfigError(f"{key}: give one of proportion, repeat, choose; got {', '.join(weights)}")
+        remote = "://" in source["path"]
+        if not remote and not Path(source["path"]).expanduser().is_dir():
+            raise ConfigError(f"{key}.path: {source['path']} is not a folder")
+        source.setdefault("name", Path(source["path"].rstrip("/")).name)
+        return source
+
+    def _stream(self, source: dict) -> Stream:
+        """The library's stream of a source: a local folder read in place, or a remote copied to its cache."""
+        weights = {k: source[k] for k in ("proportion", "repeat", "choose") if source.get(k) is not None}
+        if "://" in source["path"] or source.get("cache"):
+            cache = Path(source.get("cache") or self.cache_dir / source["name"]).expanduser()
+            return Stream(remote=source["path"], local=str(cache), download_timeout=self.download_timeout, **weights)
+        return Stream(local=str(Path(source["path"]).expanduser()), **weights)
+
+    def _manifest(self, i: int, stream: Stream) -> dict:
+        """A source's manifest and empty-caption conditioning, fetched into its cache first if it is remote."""
+        local = Path(stream.local)
+        if stream.remote is not None:
+            local.mkdir(parents=True, exist_ok=True)
+            for name in (MANIFEST, UNCONDITIONAL):
+                if not (local / name).exists():
+                    remote = os.path.join(stream.remote, name)  # as the library joins remote paths
+                    try:
+                        CloudDownloader.direct_download(remote, str(local / name), self.download_timeout)
+                    except Exception as err:  # each store's client raises its own errors
+                        raise ConfigError(
+                            f"data.params.sources[{i}].path: cannot fetch {remote} ({type(err).__name__}: {err}); "
+                            "is it a folder written by scripts/precompute.py, and are the store's credentials "
+                            "in the environment?"
+                        ) from None
+        try:
+            return {**read_manifest(local, f"data.params.sources[{i}].path"), "folder": local}
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+
+    def setup(self, stage: str) -> None:
+        if self.dataset is not None:
+            return
+        self._tell_library_the_world()
+        streams = [self._stream(source) for source in self.sources]
+        self.manifests = [self._manifest(i, stream) for i, stream in enumerate(streams)]
+        first = self.manifests[0]
+        for i, manifest in enumerate(self.manifests[1:], start=1):
+            for entry in MUST_AGREE:
+                if manifest.get(entry) != first.get(entry):
+                    raise ConfigError(
+                        f"data.params.sources[{i}]: its shards were precomputed with another {entry} than "
+                        f"sources[0]'s ({self.sources[i]['path']} vs {self.sources[0]['path']}); precompute both "
+                        "with the same model config"
+                    )
+        try:
+            self.dataset = _LatentShards(
+                streams=streams,
+                batch_size=self.batch_size,
+                shuffle=self.shuffle,
+                shuffle_seed=self.seed,
+                num_canonical_nodes=self.num_canonical_nodes,
+                epoch_size=self.epoch_size,
+                predownload=self.predownload or 8 * self.batch_size,  # the library's default, stated
+                shuffle_block_size=max(4_000_000 // self.num_canonical_nodes, 1 << 18),  # likewise
+                cache_limit=self.cache_limit,
+                unconditional=read_unconditional(first["folder"]),
+                caption_dropout=self.caption_dropout,
+            )
+        except ValueError as err:  # e.g. proportions given for some sources only
+            raise ConfigError(f"data.params.sources: {err}") from None
+        counts = ", ".join(f"{s['name']} {m['count']}" for s, m in zip(self.sources, self.manifests))
+        log.info(
+            "data: %d samples per epoch from %d source(s) (%s); the shards hold the latents and text states, so the "
+            "VAE encoder and the text encoder do not run in training",
+            self.dataset.epoch_size,
+            len(streams),
+            counts,
+        )
+
+    def teardown(self, stage: str) -> None:
+        """Remove the library's lock files, which it leaves in the temporary folder after every run."""
+        if self.dataset is not None:
+            for path in self.dataset.lock_files():
+                path.unlink(missing_ok=True)
+
+    def _tell_library_the_world(self) -> None:
+        """The library learns its rank and world from environment variables alone (torchrun's); Lightning's own
+        launcher and SLURM do not set them all, and every rank would read rank 0's samples. Set them from the
+        trainer, which knows."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:  # the library's default: one process
+            return
+        world = {
+            "RANK": trainer.global_rank,
+            "WORLD_SIZE": trainer.world_size,
+            "LOCAL_RANK": trainer.local_rank,
+            "LOCAL_WORLD_SIZE": trainer.num_devices,
+        }
+        os.environ.update({name: str(value) for name, value in world.items()})
+
+    def train_dataloader(self) -> _ShardLoader:
+        trainer = self.trainer
+        if trainer is not None:  # the model is built by now
+            self._check_fits(trainer.lightning_module)
+        return _ShardLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            drop_last=True,  # a short last batch would differ between world sizes
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            position=lambda: trainer_position(trainer),
+            world_size=trainer.world_size if trainer else 1,
+        )
+
+    def _check_fits(self, model: pl.LightningModule) -> None:
+        """Refuse shards whose latents or text states the model's denoiser cannot take (another model family)."""
+        config = getattr(model, model.denoiser_name).config
+        manifest, where = self.manifests[0], f"data.params.sources[0].path ({self.sources[0]['path']})"
+        channels = manifest["latent_shape"][0] if manifest.get("latent_shape") else None
+        expected = config.get("in_channels")
+        if channels is not None and expected is not None and channels != expected:
+            raise ConfigError(
+                f"{where}: the shards hold {channels}-channel latents, but model.params' {model.denoiser_name} takes "
+                f"{expected}; they were precomputed for another model family: precompute them with this model's VAE"
+            )
+        width = manifest["cond_shapes"].get("encoder_hidden_states", [None])[-1]
+        expected = config.get("cross_attention_dim")
+        if width is not None and expected is not None and width != expected:
+            raise ConfigError(
+                f"{where}: the shards hold text states {width} wide, but model.params' {model.denoiser_name} attends "
+                f"to {expected}; they were precomputed for another model family: precompute them with this model's "
+                "text encoder"
+            )

@@ -1,0 +1,176 @@
+"""Training from precomputed shards: two sources mixed by proportion, kill -9 mid-epoch and an exact resume,
+a local folder read as a remote into a cache, clear errors for wrong sources, and an export that samples."""
+
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from diffusers import StableDiffusionPipeline
+
+from ldm.cli.precompute import main as precompute
+from main import main
+from tests.conftest import REPO, write_images
+from tests.helpers import SD_FOLDER, run_script
+from tests.test_faults import clean_env
+
+TINY = REPO / "configs" / "pretrain" / "tiny-shards.yaml"
+SIZES = {"a": 28, "b": 12}  # 40 samples an epoch at 0.7 / 0.3: 5 batches of 8
+
+
+def lock_files() -> set[Path]:
+    """The streaming library's lock files in the temporary folder."""
+    return set(Path(tempfile.gettempdir()).glob("*_filelock"))
+
+
+def leftovers() -> set[Path]:
+    """The streaming library's lock files, and its shared memory blocks (freed when a process exits)."""
+    return lock_files() | set(Path("/dev/shm").glob("0*_*"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def clean_up_after_killed_runs():
+    """A run killed with kill -9 cannot remove what it made: remove it for it."""
+    before = leftovers()
+    yield
+    for path in leftovers() - before:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_sd, tmp_path_factory) -> dict[str, Path]:
+    """Two sources precomputed from image folders with the tiny SD's VAE and text encoder."""
+    tmp = tmp_path_factory.mktemp("shards")
+    for name, count in SIZES.items():
+        write_images(tmp / f"images-{name}", n=count, size=(40, 32))
+        code = precompute(["-b", str(SD_FOLDER), "--out", str(tmp / name), "--chunk-size", "10",
+                           f"model.params.pretrained={tiny_sd}", f"data.params.root={tmp / f'images-{name}'}",
+                           "data.params.size=16", "data.params.num_workers=0"])  # fmt: skip
+        assert code == 0
+    return {name: tmp / name for name in SIZES}
+
+
+def args(tiny_sd, shards, logdir, record_dir, *extra) -> list[str]:
+    sources = f"[{{path: {shards['a']}, proportion: 0.7}}, {{path: {shards['b']}, proportion: 0.3}}]"
+    return [
+        "-t", "-b", str(TINY), "-l", str(logdir), "-n", "pre", "-s", "5",
+        f"model.params.pretrained={tiny_sd}", f"data.params.sources={sources}", "data.params.caption_dropout=0.25",
+        "lightning.callbacks.samples.target=tests.helpers.RecordSamples",
+        f"lightning.callbacks.samples.params.folder={record_dir}", *extra,
+    ]  # fmt: skip
+
+
+def recorded(folder: Path) -> dict[int, dict]:
+    """step -> the batch trained on at that step (a step seen again after a resume: the last time)."""
+    return {row["step"]: row for row in map(json.loads, (folder / "samples-0.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def unbroken(tiny_sd, shards, tmp_path_factory):
+    """An unbroken 8-step run (an epoch of 5 batches of 8, then 3 of the next): the reference."""
+    tmp = tmp_path_factory.mktemp("unbroken")
+    (tmp / "rec").mkdir()
+    before = lock_files()
+    assert main(args(tiny_sd, shards, tmp / "logs", tmp / "rec")) == 0
+    assert lock_files() <= before, "a finished run leaves no lock files behind"
+    (run_dir,) = (tmp / "logs").iterdir()
+    return run_dir, recorded(tmp / "rec")
+
+
+def test_sources_are_mixed_by_proportion_and_the_encoders_do_not_run(unbroken):
+    run_dir, steps = unbroken
+    assert sorted(steps) == list(range(1, 9))
+    epoch = [key for step in range(1, 6) for key in steps[step]["keys"]]
+    assert len(epoch) == len(set(epoch)) == 40, "an epoch holds every sample once at these proportions"
+    share = sum(key.startswith("a/") for key in epoch) / len(epoch)
+    assert abs(share - 0.7) <= 0.05, share
+    assert epoch[:24] != [key for step in range(6, 9) for key in steps[step]["keys"]], "each epoch is shuffled anew"
+    dropped = sum(d for step in steps.values() for d in step["dropped"]) / 64
+    assert 0.1 < dropped < 0.4, dropped  # caption_dropout 0.25
+    log = (run_dir / "train.log").read_text()
+    assert "data: 40 samples per epoch from 2 source(s) (a 28, b 12)" in log
+    assert "the VAE encoder and the text encoder do not run in training" in log
+
+
+def test_encoders_are_never_called_in_training(tiny_sd, shards, tmp_path, monkeypatch):
+    from ldm.systems.latent_diffusion import LatentDiffusion
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an encoder ran in training")
+
+    monkeypatch.setattr(LatentDiffusion, "encode_posterior", refuse)
+    monkeypatch.setattr(LatentDiffusion, "encode_text", refuse)
+    (tmp_path / "rec").mkdir()
+    assert main(args(tiny_sd, shards, tmp_path / "logs", tmp_path / "rec", "lightning.trainer.max_steps=2")) == 0
+
+
+def test_killed_with_kill_9_mid_epoch_resumes_with_the_unbroken_samples_and_losses(tiny_sd, shards, unbroken, tmp_path):
+    _, reference = unbroken
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    base = args(tiny_sd, shards, tmp_path / "logs", rec)
+    killed = ["lightning.callbacks.kill.target=tests.helpers.SendSignal", "lightning.callbacks.kill.params.step=7",
+              "lightning.callbacks.kill.params.signal=SIGKILL"]  # fmt: skip
+    done = subprocess.run([sys.executable, "main.py", *base, *killed], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=clean_env())  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert sorted(recorded(rec)) == list(range(1, 8))
+    assert main([*base, "-r", "auto"]) == 0  # from step 6's checkpoint: one batch into the second epoch
+    assert recorded(rec) == reference, "steps 7 and 8 again: the unbroken run's samples, dropped captions and losses"
+
+
+def test_a_local_folder_read_as_a_remote_by_two_workers_is_copied_to_its_cache_and_gives_the_same_samples(
+    tiny_sd, shards, unbroken, tmp_path
+):
+    _, reference = unbroken
+    rec, cache = tmp_path / "rec", tmp_path / "cache"
+    rec.mkdir()
+    sources = (
+        f"[{{path: {shards['a']}, proportion: 0.7, cache: {cache / 'a'}}}, "
+        f"{{path: {shards['b']}, proportion: 0.3, cache: {cache / 'b'}}}]"
+    )
+    argv = args(tiny_sd, shards, tmp_path / "logs", rec, "lightning.trainer.max_steps=2", "data.params.num_workers=2")
+    assert main([*argv, f"data.params.sources={sources}"]) == 0
+    assert (cache / "a" / "index.json").is_file() and list((cache / "a").glob("**/*.mds"))
+    assert recorded(rec) == {step: reference[step] for step in (1, 2)}
+
+
+def test_a_run_from_shards_exports_a_pipeline_that_samples(unbroken, tmp_path):
+    run_dir, _ = unbroken
+    run_script("export_diffusers.py", "--ckpt", run_dir / "checkpoints" / "last.ckpt", "--out", tmp_path / "pipe")
+    pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "pipe")
+    image = pipe("a photo", num_inference_steps=2, height=16, width=16, output_type="np").images[0]
+    assert image.shape == (16, 16, 3)
+
+
+@pytest.mark.parametrize(
+    "sources, extra, message",
+    [
+        ("[]", [], "data.params.sources: empty"),
+        ("[{path: /nonexistent/shards}]", [], "data.params.sources[0].path: /nonexistent/shards is not a folder"),
+        ("[{path: @EMPTY}]", [], "data.params.sources[0].path: @EMPTY has no ldm_shards.json"),
+        ("[{path: @EMPTY, cache: @EMPTY/cache}]", [],
+         "data.params.sources[0].path: cannot fetch @EMPTY/ldm_shards.json"),
+        ("[{path: @A, proportion: 0.5, repeat: 2}]", [], "data.params.sources[0]: give one of proportion, repeat"),
+        ("[{path: @A, proportion: 0.7}, {path: @B, proportion: 0.2}]", [],
+         "data.params.sources: the proportions add up to 0.9 (0.7 + 0.2), not 1"),
+        ("[{path: @A, proportion: 0.7}, {path: @B}]", [], "data.params.sources[1]: no proportion"),
+        ("[{path: @A}, {path: @A}]", [], "data.params.sources: two sources have the same name"),
+        ("[{path: @A}]", ["model.params.unet.config.cross_attention_dim=64"],
+         "data.params.sources[0].path (@A): the shards hold text states 32 wide, but model.params' unet attends to 64"),
+        ("[{path: @A}]", ["model.params.unet.config.in_channels=8"],
+         "data.params.sources[0].path (@A): the shards hold 4-channel latents, but model.params' unet takes 8"),
+    ],
+)  # fmt: skip
+def test_bad_sources_are_one_line_errors_naming_the_key(tiny_sd, shards, tmp_path, capsys, sources, extra, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    fill = {"@A": str(shards["a"]), "@B": str(shards["b"]), "@EMPTY": str(empty)}
+    for name, path in fill.items():
+        sources, message = sources.replace(name, path), message.replace(name, path)
+    argv = args(tiny_sd, shards, tmp_path / "logs", tmp_path, f"data.params.sources={sources}", *extra)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
