@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -179,3 +180,19 @@ def test_refuses_other_folders_and_sources(tiny_sd, images, shards, tmp_path, ca
     )
     assert main(["-b", str(user_data), "--out", str(tmp_path / "new")]) == 2
     assert "data.target: tests.helpers.UserDataModule is not an ldm.data.DataModule" in capsys.readouterr().err
+
+
+def test_the_rate_counts_the_time_spent_encoding(tiny_sd, images, tmp_path, monkeypatch):
+    from ldm.systems.latent_diffusion import LatentDiffusion
+
+    encode = LatentDiffusion.encode_posterior
+
+    def slow(self, pixels):
+        time.sleep(0.2)
+        return encode(self, pixels)
+
+    monkeypatch.setattr(LatentDiffusion, "encode_posterior", slow)
+    assert precompute(tiny_sd, images, tmp_path / "photos", "--chunk-size", "2", "--batch-size", "2") == 0
+    manifest = json.loads((tmp_path / "photos" / MANIFEST).read_text())
+    assert manifest["seconds"] >= 3 * 0.2, "three batches, each encoded in 0.2 s or more"
+    assert manifest["images_per_second"] == pytest.approx(5 / manifest["seconds"])

@@ -115,8 +115,12 @@ def precompute(
         loader = DataLoader(_Loading(dataset, items), batch_size=batch_size, num_workers=num_workers,
                             collate_fn=_collate, generator=torch.Generator())  # fmt: skip
         with writer:
+            waited = time.monotonic()
             for batch in loader:
                 _write_batch(model, batch, writer, source)
+                now = time.monotonic()
+                writer.charge(now - waited)  # loading, encoding and writing the batch
+                waited = now
     if world_size > 1:
         dist.barrier()  # every chunk is written
     fresh = [k for k in range(len(chunks)) if k not in finished]
@@ -247,7 +251,7 @@ class _ChunkWriter:
         self.out, self.columns, self.shard_bytes, self.record, self.chunks = out, columns, shard_bytes, record, chunks
         self.chunk: int | None = None
         self.writer: MDSWriter | None = None
-        self.examples, self.bad, self.opened = 0, [], 0.0  # of the chunk being written
+        self.examples, self.bad, self.seconds = 0, [], 0.0  # of the chunk being written
         self.shapes: dict[str, list[int]] = {}  # of the last batch's latents and images, recorded in each chunk
 
     def __enter__(self) -> _ChunkWriter:
@@ -269,27 +273,32 @@ class _ChunkWriter:
         self._switch(chunk)
         self.bad.append(line)
 
+    def charge(self, seconds: float) -> None:
+        """Count `seconds` of loading and encoding to the chunk being written (a batch's, once it is written)."""
+        self.seconds += seconds
+
     def _switch(self, chunk: int) -> None:
         if chunk == self.chunk:
             return
         self._close()
-        self.chunk, self.examples, self.bad, self.opened = chunk, 0, [], time.monotonic()
+        self.chunk, self.examples, self.bad, self.seconds = chunk, 0, [], 0.0
         self.writer = MDSWriter(out=str(self.out / CHUNK.format(chunk)), columns=self.columns,
                                 size_limit=self.shard_bytes)  # fmt: skip
 
     def _close(self) -> None:
         if self.writer is None:
             return
-        folder, seconds = self.out / CHUNK.format(self.chunk), time.monotonic() - self.opened
+        folder, seconds = self.out / CHUNK.format(self.chunk), self.seconds
         if self.bad:
             (folder / BAD_SAMPLES).write_text("".join(f"{line}\n" for line in self.bad), encoding="utf-8")
         stats = {**self.record, "examples": self.examples, "skipped": len(self.bad), "seconds": seconds}
         (folder / CHUNK_STATS).write_text(json.dumps({**stats, **(self.shapes if self.examples else {})}))
         self.writer.finish()
         self.writer = None
+        rate = f", {self.examples / seconds:.1f} images/s" if seconds else ""  # a batch's time goes to its last chunk
         log.info(
-            "precompute: chunk %d of %d written (%d examples, %d skipped, %.1f images/s)",
-            self.chunk + 1, self.chunks, self.examples, len(self.bad), self.examples / max(seconds, 1e-9),
+            "precompute: chunk %d of %d written (%d examples, %d skipped%s)",
+            self.chunk + 1, self.chunks, self.examples, len(self.bad), rate,
         )  # fmt: skip
 
 
@@ -342,7 +351,7 @@ def _finish(
         "dataset_size": stats[0]["dataset_size"],
         "chunks": chunks,
         "bytes": _shard_bytes(json.loads((out / INDEX).read_text())),
-        "seconds": seconds,  # encoding time summed over the chunks (and so over processes)
+        "seconds": seconds,  # loading + encoding time summed over the chunks (and so over processes)
         "images_per_second": count / seconds if seconds else 0.0,  # per process
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
