@@ -52,6 +52,7 @@ bench: setup
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/time_to_quality.py
+	$(PY) benchmarks/pretrain.py
 
 format: setup
 	$(PY) -m ruff format .

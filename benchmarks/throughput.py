@@ -135,18 +135,21 @@ def write_images(root: Path, count: int, size: int) -> Path:
 
 def ours(model: Model, sd: Path, images: Path, work: Path, label: str, overrides: list[str], steps: int) -> dict:
     """Images/s of `ldm.training.run.train` (what `main.py -t` runs) with `overrides`; setup seconds apart."""
+    data = [f"data.params.root={images}", f"data.params.size={model.image_size}", "data.params.flip=false"]
+    return timed_train([str(SD_FOLDER)], model, sd, work, [*data, *overrides], steps)
+
+
+def timed_train(configs: list[str], model: Model, sd: Path, work: Path, overrides: list[str], steps: int) -> dict:
+    """`steps` training steps of `configs` on `sd` at the model's batch: each step's seconds, setup apart."""
     from ldm.training.run import train
 
     clock = work / f"clock-{time.perf_counter_ns()}.json"
     train(
-        [str(SD_FOLDER)],
+        configs,
         [
             f"model.params.pretrained={sd}",
-            f"data.params.root={images}",
-            f"data.params.size={model.image_size}",
             f"data.params.batch_size={model.batch_size}",
             "data.params.num_workers=0",
-            "data.params.flip=false",
             f"lightning.trainer.max_steps={steps}",
             "lightning.trainer.accumulate_grad_batches=1",
             "lightning.trainer.enable_progress_bar=false",

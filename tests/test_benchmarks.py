@@ -67,3 +67,15 @@ def test_gpu_throughput_smoke_on_a_cpu(tmp_path):
         (run,) = result["runs"][variant]
         assert run["batch"] == 2 and run["images_per_s"] > 0 and 0 < run["mfu"] < 1, run
     assert headline.startswith("gpu throughput: SD 1.5 at 16 px, ours ")
+
+
+def test_pretrain_smoke(tmp_path):
+    result, headline = smoke("pretrain.py", tmp_path)
+    tiny = result["models"]["tiny"]
+    assert set(tiny["rates"]) == {"plain", "ours, from images", "ours, from shards"}
+    assert all(rate["images_per_s"] > 0 for rate in tiny["rates"].values())
+    assert tiny["precompute"]["count"] == 64 and tiny["precompute"]["bytes"] > 0
+    online, shards = (tiny["rates"][k]["images_per_s"] for k in ("ours, from images", "ours, from shards"))
+    assert tiny["online_cost"] == pytest.approx(shards / online)
+    assert 0 < tiny["precompute_share_at_mosaic_passes"] < 1
+    assert headline.startswith("pretrain: tiny model, from shards ")
