@@ -1,10 +1,14 @@
-"""Diffusion training math as pure functions of `alphas_cumprod` (DDPM, Ho et al. 2020).
+"""Diffusion training math as pure functions: DDPM (Ho et al. 2020) of `alphas_cumprod`, and EDM (Karras et
+al. 2022) of noise levels sigma.
 
-The objective is chosen by data: the prediction type (epsilon | v_prediction) and the loss weighting
-(`snr_gamma`: Min-SNR, or plain MSE); `ddpm_loss` is one training step's loss for any denoiser.
-
-They work for any noise schedule, need no scheduler object, and are tested against diffusers'
+The DDPM objective is chosen by data: the prediction type (epsilon | v_prediction) and the loss weighting
+(`snr_gamma`: Min-SNR, or plain MSE); `ddpm_loss` is one training step's loss for any denoiser. Those
+functions work for any noise schedule, need no scheduler object, and are tested against diffusers'
 `add_noise`, `get_velocity` and `training_utils.compute_snr`.
+
+`edm_loss` is one EDM training step: log-normal noise levels, the preconditioning of Karras et al. table 1,
+their loss weighting, and optionally the loss over the patches a masked denoiser kept (MicroDiT, Sehwag et
+al. 2024), each patch the mean of its pixels' losses.
 """
 
 from __future__ import annotations
@@ -102,3 +106,64 @@ def ddpm_loss(
     target = training_target(x0, noise, t, alphas_cumprod, prediction_type)
     weights = None if snr_gamma is None else min_snr_weights(t, alphas_cumprod, snr_gamma, prediction_type)
     return diffusion_loss(prediction, target, weights)
+
+
+def edm_sigmas(
+    batch: int, p_mean: float, p_std: float, device: torch.device | str | None = None, generator=None
+) -> torch.Tensor:
+    """Training noise levels, log-normal: ln sigma ~ N(p_mean, p_std^2) (Karras et al. 2022, table 1)."""
+    return (torch.randn(batch, device=device, generator=generator) * p_std + p_mean).exp()
+
+
+def edm_scalings(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, ...]:
+    """EDM's preconditioning of a network F (Karras et al. 2022, table 1 and eq. 7): the denoised estimate is
+    `c_skip * x + c_out * F(c_in * x, c_noise)`. Returns (c_skip, c_out, c_in, c_noise), each shaped like
+    `sigma`; c_noise = ln(sigma) / 4."""
+    total = sigma**2 + sigma_data**2
+    return sigma_data**2 / total, sigma * sigma_data / total.sqrt(), 1 / total.sqrt(), sigma.log() / 4
+
+
+def edm_weight(sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:
+    """EDM's loss weighting lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma sigma_data)^2 (Karras et al.
+    2022, table 1): the denoiser's error scaled to unit variance at every noise level."""
+    return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
+
+
+def patch_means(per_pixel: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) values as the mean over each `patch_size` x `patch_size` patch and its channels: (B, N),
+    patches row by row, the order a patch embedding flattens them in."""
+    batch, channels, height, width = per_pixel.shape
+    p = patch_size
+    patches = per_pixel.reshape(batch, channels, height // p, p, width // p, p)
+    return patches.mean(dim=(1, 3, 5)).flatten(1)
+
+
+def edm_loss(
+    denoiser: Callable[..., torch.Tensor],
+    x0: torch.Tensor,
+    cond: Mapping[str, torch.Tensor],
+    p_mean: float,
+    p_std: float,
+    sigma_data: float,
+    keep: torch.Tensor | None = None,
+    patch_size: int = 1,
+) -> torch.Tensor:
+    """The EDM training loss (Karras et al. 2022, eq. 2 with table 1's choices) of a network
+    `denoiser(c_in * noisy, c_noise, cond) -> F` on clean latents `x0`: sigma log-normal per sample, the
+    preconditioned estimate `c_skip * noisy + c_out * F` against `x0`, weighted by `edm_weight`.
+
+    With `keep` (B, K), the patch indices a masked denoiser keeps (it is called with `keep=`), the loss is
+    over those patches only: each the mean of its pixels' weighted squared errors, averaged over the kept
+    patches and the batch (deferred masking, Sehwag et al. 2024). Without, over every pixel."""
+    sigma = edm_sigmas(x0.shape[0], p_mean, p_std, x0.device)
+    noise = torch.randn_like(x0, memory_format=torch.contiguous_format)
+    shaped = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
+    noisy = x0.float() + shaped * noise.float()
+    c_skip, c_out, c_in, c_noise = edm_scalings(shaped, sigma_data)
+    masked = {} if keep is None else {"keep": keep}
+    out = denoiser((c_in * noisy).to(x0.dtype), c_noise.reshape(-1), cond, **masked)
+    denoised = c_skip * noisy + c_out * out.float()
+    per_pixel = edm_weight(shaped, sigma_data) * (denoised - x0.float()) ** 2
+    if keep is None:
+        return per_pixel.mean()
+    return torch.gather(patch_means(per_pixel, patch_size), 1, keep).mean()

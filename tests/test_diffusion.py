@@ -111,3 +111,88 @@ def test_ddpm_loss_is_the_diffusers_recipe_for_any_denoiser(scheduler, predictio
         snr = compute_snr(scheduler, t)
         per_sample = per_sample * torch.minimum(snr, torch.full_like(snr, snr_gamma)) / (snr + 1)
     torch.testing.assert_close(loss, per_sample.mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_edm_scalings_are_those_diffusers_edm_euler_samples_with():
+    """diffusers' EDMEulerScheduler (epsilon: EDM's F-prediction) preconditions exactly as we train."""
+    from diffusers import EDMEulerScheduler
+
+    scheduler = EDMEulerScheduler(sigma_data=0.9, prediction_type="epsilon")
+    sigma = torch.tensor([0.002, 0.3, 1.0, 7.5, 80.0], dtype=torch.float64)
+    x = torch.randn(5, 4, 2, 2, dtype=torch.float64)
+    out = torch.randn_like(x)
+    c_skip, c_out, c_in, c_noise = (c.reshape(-1, 1, 1, 1) for c in diffusion.edm_scalings(sigma, 0.9))
+    torch.testing.assert_close(c_in * x, scheduler.precondition_inputs(x, sigma.reshape(-1, 1, 1, 1)))
+    torch.testing.assert_close(c_noise.reshape(-1), scheduler.precondition_noise(sigma))
+    expected = scheduler.precondition_outputs(x, out, sigma.reshape(-1, 1, 1, 1))
+    torch.testing.assert_close(c_skip * x + c_out * out, expected)
+
+
+class RecordingNetwork:
+    """A fixed nonlinear F that records what the loss called it with."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __call__(self, x, c_noise, cond, **kwargs):
+        self.calls.append((x.clone(), c_noise.clone(), kwargs))
+        return torch.tanh(x) * 0.5 + cond["encoder_hidden_states"].mean() + c_noise.reshape(-1, 1, 1, 1)
+
+
+def independent_edm_loss(x0, sigma, noise, network, sigma_data, keep=None, patch=1):
+    """EDM's loss from its formulas, in float64 numpy, patch by patch in loops."""
+    import numpy as np
+
+    x0, noise, sigma = (np.asarray(a, np.float64) for a in (x0, noise, sigma))
+    losses = []
+    for b in range(x0.shape[0]):
+        s = sigma[b]
+        noisy = x0[b] + s * noise[b]
+        c_in = 1 / np.sqrt(s**2 + sigma_data**2)
+        out = network(torch.from_numpy(c_in * noisy)[None], torch.tensor([np.log(s) / 4]))[0].numpy()
+        denoised = sigma_data**2 / (s**2 + sigma_data**2) * noisy + s * sigma_data / np.sqrt(s**2 + sigma_data**2) * out
+        per_pixel = (s**2 + sigma_data**2) / (s * sigma_data) ** 2 * (denoised - x0[b]) ** 2
+        if keep is None:
+            losses.append(per_pixel.mean())
+            continue
+        columns = x0.shape[-1] // patch
+        for index in keep[b].tolist():
+            r, c = divmod(index, columns)
+            losses.append(per_pixel[:, r * patch : (r + 1) * patch, c * patch : (c + 1) * patch].mean())
+    return float(np.mean(losses))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_edm_loss_is_its_formulas_computed_independently(masked):
+    x0 = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    cond = {"encoder_hidden_states": torch.full((3, 5, 2), 0.25, dtype=torch.float64)}
+    keep = torch.tensor([[0, 3, 5, 15], [1, 2, 8, 9], [4, 6, 7, 12]]) if masked else None
+    network = RecordingNetwork()
+    torch.manual_seed(11)
+    loss = diffusion.edm_loss(network, x0, cond, p_mean=-0.6, p_std=1.2, sigma_data=0.9, keep=keep, patch_size=2)
+    torch.manual_seed(11)  # the same draws: sigma (B,), then the noise
+    sigma = (torch.randn(3) * 1.2 - 0.6).exp()
+    noise = torch.randn_like(x0)
+    expected = independent_edm_loss(x0, sigma, noise, lambda x, c: network(x, c, cond), 0.9, keep, patch=2)
+    assert float(loss) == pytest.approx(expected, rel=1e-6)  # the loss is computed in float32
+    ((_, c_noise, kwargs),) = network.calls[:1]
+    torch.testing.assert_close(c_noise, sigma.log() / 4)
+    assert ("keep" in kwargs) == masked
+
+
+def test_an_edm_loss_keeping_every_patch_is_the_unmasked_loss():
+    x0 = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    cond = {"encoder_hidden_states": torch.zeros(2, 3, 2, dtype=torch.float64)}
+    network = RecordingNetwork()
+    everything = torch.arange(4).expand(2, 4)
+    losses = []
+    for keep in (None, everything):
+        torch.manual_seed(5)
+        losses.append(diffusion.edm_loss(network, x0, cond, -0.6, 1.2, 0.9, keep=keep, patch_size=2))
+    torch.testing.assert_close(losses[0], losses[1])
+
+
+def test_edm_sigmas_are_log_normal():
+    sigma = diffusion.edm_sigmas(200_000, p_mean=-0.6, p_std=1.2, generator=torch.Generator().manual_seed(0))
+    assert float(sigma.log().mean()) == pytest.approx(-0.6, abs=0.01)
+    assert float(sigma.log().std()) == pytest.approx(1.2, abs=0.01)
