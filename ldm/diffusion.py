@@ -129,6 +129,26 @@ def edm_weight(sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:
     return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
 
 
+def random_keep(
+    batch: int,
+    num_patches: int,
+    mask_ratio: float,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """A uniformly random subset of `round((1 - mask_ratio) * num_patches)` patch indices per sample, sorted,
+    as a LongTensor (batch, K): the patches deferred masking keeps (Sehwag et al. 2024, section 3)."""
+    if not 0 <= mask_ratio < 1:
+        raise ValueError(f"random_keep: mask_ratio={mask_ratio}; it must be in [0, 1)")
+    kept = round((1 - mask_ratio) * num_patches)
+    if kept < 1:
+        raise ValueError(f"random_keep: mask_ratio={mask_ratio} of {num_patches} patches keeps none; lower it")
+    if generator is not None:
+        device = generator.device
+    scores = torch.rand(batch, num_patches, generator=generator, device=device)
+    return scores.argsort(dim=1)[:, :kept].sort(dim=1).values
+
+
 def patch_means(per_pixel: torch.Tensor, patch_size: int) -> torch.Tensor:
     """(B, C, H, W) values as the mean over each `patch_size` x `patch_size` patch and its channels: (B, N),
     patches row by row, the order a patch embedding flattens them in."""

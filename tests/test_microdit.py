@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from ldm.backbones import as_denoiser
-from ldm.backbones.microdit import MICRODIT_DIGITS, MICRODIT_TINY_2, MICRODIT_XL_2, MicroDiT, random_keep
+from ldm.backbones.microdit import MICRODIT_DIGITS, MICRODIT_TINY_2, MICRODIT_XL_2, MicroDiT
 from ldm.backbones.microdit_layers import ExpertChoiceFeedForward
+from ldm.diffusion import random_keep
 
 
 def digits(**changes) -> MicroDiT:

@@ -4,7 +4,7 @@ a text-conditioned diffusion transformer trained with deferred masking, as a den
 `MicroDiT.forward(noisy, t, cond, keep=None)` is the denoiser call with one more argument: `keep`, the
 indices of the patches each sample keeps. The patch mixer sees every patch; only the kept ones then go through
 the backbone blocks, and the dropped positions of the output are zero (the paper's deferred masking; the loss
-should count the kept patches only). The caller draws `keep`, e.g. with `random_keep`; the network draws
+counts the kept patches only). The caller draws `keep` (`ldm.diffusion.random_keep`); the network draws
 nothing random. The architecture is that of SonyResearch/micro_diffusion (`models/dit.py`), with the same
 parameter shapes and initialisation; `MICRODIT_XL_2` and `MICRODIT_TINY_2` are its two published sizes.
 """
@@ -71,26 +71,6 @@ MICRODIT_DIGITS = dict(
     expert_capacity=2.0,
     experts_every_n=2,
 )
-
-
-def random_keep(
-    batch: int,
-    num_patches: int,
-    mask_ratio: float,
-    generator: torch.Generator | None = None,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """A uniformly random subset of `round((1 - mask_ratio) * num_patches)` patch indices per sample, sorted,
-    as a LongTensor (batch, K): the patches deferred masking keeps (Sehwag et al. 2024, section 3)."""
-    if not 0 <= mask_ratio < 1:
-        raise ValueError(f"random_keep: mask_ratio={mask_ratio}; it must be in [0, 1)")
-    kept = round((1 - mask_ratio) * num_patches)
-    if kept < 1:
-        raise ValueError(f"random_keep: mask_ratio={mask_ratio} of {num_patches} patches keeps none; lower it")
-    if generator is not None:
-        device = generator.device
-    scores = torch.rand(batch, num_patches, generator=generator, device=device)
-    return scores.argsort(dim=1)[:, :kept].sort(dim=1).values
 
 
 def _check_config(config: Mapping) -> None:
@@ -249,7 +229,7 @@ class MicroDiT(ModelMixin, ConfigMixin):
         return height // p, width // p
 
     def num_patches(self, height: int, width: int) -> int:
-        """How many patches a (height, width) latent has: the `num_patches` of `random_keep`."""
+        """How many patches a (height, width) latent has: the `num_patches` of `ldm.diffusion.random_keep`."""
         rows, columns = self.grid(height, width)
         return rows * columns
 
@@ -308,7 +288,7 @@ class MicroDiT(ModelMixin, ConfigMixin):
         if keep.dtype != torch.long or keep.ndim != 2 or keep.shape[0] != batch or not 0 < keep.shape[1] <= patches:
             raise ValueError(
                 f"MicroDiT: keep must be a LongTensor (batch={batch}, K) with 0 < K <= {patches} patches; "
-                f"got {keep.dtype} of shape {tuple(keep.shape)}. Draw it with random_keep."
+                f"got {keep.dtype} of shape {tuple(keep.shape)}. Draw it with ldm.diffusion.random_keep."
             )
         return keep
 

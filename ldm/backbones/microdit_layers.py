@@ -134,6 +134,8 @@ class ExpertChoiceFeedForward(nn.Module):
     the gate always take part in the loss (an expert with none would leave its weights without gradient).
     """
 
+    lr_group = "experts"  # its parameters train at model.params.expert_lr_multiplier times the LR
+
     def __init__(self, dim: int, hidden: int, num_experts: int, capacity: float) -> None:
         super().__init__()
         self.num_experts, self.capacity = num_experts, capacity

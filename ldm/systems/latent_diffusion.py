@@ -38,6 +38,21 @@ class Optimization:
     lr_schedule: str = "constant"  # constant | linear | cosine, after lr_warmup_steps
     lr_warmup_steps: int = 0
     lr_lambda: Callable[[int], float] | None = None  # a factor of the LR per step, instead of lr_schedule
+    expert_lr_multiplier: float = 1.0  # the LR of mixture-of-experts parameters (modules with lr_group "experts")
+
+
+@dataclass
+class Objective:
+    """What the denoiser learns: DDPM (Ho et al. 2020; the scheduler's prediction type, Min-SNR weighting), or
+    EDM (Karras et al. 2022) with log-normal noise levels, optionally on a `mask_ratio` share of patches dropped
+    after a patch mixer (MicroDiT, Sehwag et al. 2024; the denoiser then has `num_patches` and takes `keep`)."""
+
+    kind: str = "ddpm"  # ddpm | edm
+    p_mean: float = -0.6
+    p_std: float = 1.2
+    sigma_data: float = 0.9
+    mask_ratio: float = 0.0
+    zero_unconditional: bool = False  # a dropped caption's conditioning is zeros, not the empty caption's
 
 
 class LatentDiffusion(pl.LightningModule):
@@ -62,6 +77,7 @@ class LatentDiffusion(pl.LightningModule):
         optimization: Optimization | None = None,
         lora: dict | None = None,
         nonfinite_loss: str = "skip",
+        objective: Objective | None = None,
     ) -> None:
         super().__init__()
         self._source: Parts | Callable[[], Parts] | None = parts
@@ -71,6 +87,7 @@ class LatentDiffusion(pl.LightningModule):
         self.conditioning = conditioning
         self.snr_gamma, self.sample_latents = snr_gamma, sample_latents
         self.optimization = optimization or Optimization()
+        self.objective = objective or Objective()
         self.lora = dict(lora) if lora is not None else None
         self.strict_loading = self.lora is None  # a LoRA checkpoint holds the adapters only
         self.run_config: dict | None = None  # the resolved config, set by ldm.training.run and saved in checkpoints
@@ -96,8 +113,27 @@ class LatentDiffusion(pl.LightningModule):
         self.train(self.training)  # parts arrive in the mode they were read or built in: trained ones follow the system
         scheduler = self._others["scheduler"]
         self.prediction_type = scheduler.config.get("prediction_type", "epsilon")
+        if self.objective.kind == "edm":
+            self._check_edm(scheduler)
+            return
         # Not a buffer: ZeRO / Gemini cast every floating buffer to fp16, and the schedule must stay float32.
         self.alphas_cumprod = torch.as_tensor(scheduler.alphas_cumprod, dtype=torch.float32)
+
+    def _check_edm(self, scheduler: Any) -> None:
+        """EDM training samples with an EDM scheduler of the same sigma_data; masking needs a denoiser that masks."""
+        sigma_data = scheduler.config.get("sigma_data")
+        if sigma_data is None or abs(sigma_data - self.objective.sigma_data) > 1e-9:
+            raise ConfigError(
+                f"model.params.scheduler: objective edm trains with sigma_data {self.objective.sigma_data}, but the "
+                f"scheduler {type(scheduler).__name__} has {sigma_data}; use {{target: diffusers.EDMEulerScheduler, "
+                f"config: {{sigma_data: {self.objective.sigma_data}}}}} so samples are drawn as it trained"
+            )
+        module = getattr(self, self.denoiser_name)
+        if self.objective.mask_ratio and not hasattr(module, "num_patches"):
+            raise ConfigError(
+                f"model.params.mask_ratio: {self.objective.mask_ratio}, but the {self.denoiser_name} "
+                f"({type(module).__name__}) does not mask patches; set mask_ratio: 0, or use a MicroDiT"
+            )
 
     @property
     def parts(self) -> Parts:
@@ -154,11 +190,27 @@ class LatentDiffusion(pl.LightningModule):
         latents = diffusion.sample_posterior(mean, std).to(dtype)
         cond = batch["cond"] if "cond" in batch else self.encode_text(batch["caption"])
         cond = {k: v.to(dtype) for k, v in cond.items()}
+        if self.objective.zero_unconditional:
+            kept = torch.tensor([bool(c) for c in batch["caption"]], device=latents.device)
+            cond = {k: v * kept.reshape(-1, *([1] * (v.ndim - 1))).to(v.dtype) for k, v in cond.items()}
+        if self.objective.kind == "edm":
+            return self._edm_loss(module, latents, cond)
         if self.alphas_cumprod.device != latents.device:
             self.alphas_cumprod = self.alphas_cumprod.to(latents.device)
         return diffusion.ddpm_loss(
             as_denoiser(module), latents, cond, self.alphas_cumprod, self.prediction_type, self.snr_gamma
         )
+
+    def _edm_loss(self, module: torch.nn.Module, latents: torch.Tensor, cond: dict) -> torch.Tensor:
+        """EDM's loss, over the patches kept this step when training masked (a draw of the global generator,
+        so a resumed run draws what the unbroken one did)."""
+        objective, keep, patch_size = self.objective, None, 1
+        if objective.mask_ratio and self.training:
+            patches = module.num_patches(*latents.shape[-2:])
+            keep = diffusion.random_keep(latents.shape[0], patches, objective.mask_ratio, device=latents.device)
+            patch_size = module.config.patch_size
+        return diffusion.edm_loss(as_denoiser(module), latents, cond, objective.p_mean, objective.p_std,
+                                  objective.sigma_data, keep, patch_size)  # fmt: skip
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         """Guard against NaN/inf losses, on every rank at once: skip the step's update, or stop the run
@@ -192,6 +244,24 @@ class LatentDiffusion(pl.LightningModule):
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         return [p for name in self.trainable for p in getattr(self, name).parameters() if p.requires_grad]
 
+    def parameter_groups(self) -> list[dict]:
+        """The trained parameters as optimizer groups: those of mixture-of-experts modules (`lr_group =
+        "experts"`) at `expert_lr_multiplier` times the LR, when it is not 1, and all others."""
+        multiplier = self.optimization.expert_lr_multiplier
+        experts = {
+            id(p)
+            for name in self.trainable
+            for module in getattr(self, name).modules()
+            if getattr(module, "lr_group", None) == "experts"
+            for p in module.parameters()
+        }
+        params = self.trained_parameters()
+        if multiplier == 1 or not experts:
+            return [{"params": params}]
+        rest = [p for p in params if id(p) not in experts]
+        moe = [p for p in params if id(p) in experts]
+        return [{"params": rest}, {"params": moe, "lr": self.optimization.learning_rate * multiplier}]
+
     def configure_optimizers(self) -> dict:
         from diffusers.optimization import get_scheduler
 
@@ -199,7 +269,7 @@ class LatentDiffusion(pl.LightningModule):
         spec = opt.optimizer
         optimizer_cls = import_target(spec["target"], "model.params.optimizer.target")
         try:
-            optimizer = optimizer_cls(self.trained_parameters(), lr=opt.learning_rate, **(spec.get("params") or {}))
+            optimizer = optimizer_cls(self.parameter_groups(), lr=opt.learning_rate, **(spec.get("params") or {}))
         except ValueError as err:  # e.g. betas out of range
             raise ConfigError(f"model.params.optimizer.params: {spec['target']} rejects them: {err}") from None
         if opt.lr_lambda is not None:

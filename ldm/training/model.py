@@ -23,7 +23,7 @@ from ldm.components.lora import LoraSpec, add_lora
 from ldm.components.memory import DTYPES, prepare_for_training, set_attention
 from ldm.config import ConfigError, ExistingPath, TargetSpec, import_target, instantiate, supplied
 from ldm.systems.latent_diffusion import LatentDiffusion as System
-from ldm.systems.latent_diffusion import Optimization
+from ldm.systems.latent_diffusion import Objective, Optimization
 from ldm.weights.read import load_pretrained
 from ldm.weights.single_file import read_single_file
 from ldm.weights.text_model import as_module_names
@@ -38,6 +38,14 @@ class NoiseSchedule(TypedDict, total=False):
     beta_end: float
     num_train_timesteps: int
     beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"]
+
+
+class EDMSettings(TypedDict, total=False):
+    """`model.params.edm`: EDM's training noise levels (ln sigma ~ N(p_mean, p_std^2)) and data deviation."""
+
+    p_mean: float
+    p_std: float
+    sigma_data: float
 
 
 class Declared(TypedDict):
@@ -76,6 +84,11 @@ def latent_diffusion(
     lr_lambda: TargetSpec | None = None,
     part_weights: dict[Literal["unet", "vae", "text_encoder"], ExistingPath] | None = None,
     architecture: dict[Literal["unet", "vae"], Declared] | None = None,
+    objective: Literal["ddpm", "edm"] = "ddpm",
+    edm: EDMSettings | None = None,
+    mask_ratio: float = 0.0,
+    unconditional: Literal["empty_caption", "zeros"] = "empty_caption",
+    expert_lr_multiplier: float = 1.0,
 ) -> System:
     """A `LatentDiffusion` system whose parts are built when Lightning configures the model.
 
@@ -87,7 +100,11 @@ def latent_diffusion(
 
     `part_weights` loads a file of one part's weights (diffusers names, `.bin` / `.safetensors`) into the
     part built from its config; `architecture` lists configs the weights read must agree with; `lr_lambda`
-    is an LR factor per step (e.g. `ldm.training.lr_schedules.LambdaLinear`) instead of `lr_schedule`."""
+    is an LR factor per step (e.g. `ldm.training.lr_schedules.LambdaLinear`) instead of `lr_schedule`.
+
+    `objective: edm` trains with EDM (`edm`: p_mean, p_std, sigma_data), `mask_ratio` of the patches dropped after
+    a MicroDiT's patch mixer; `unconditional: zeros` makes a dropped caption's conditioning zeros (MicroDiT's
+    classifier-free guidance); `expert_lr_multiplier` scales the LR of mixture-of-experts parameters."""
     if learning_rate <= 0:
         raise ConfigError(f"model.params.learning_rate: got {learning_rate}; must be positive")
     if lr_lambda is not None and (lr_schedule != "constant" or lr_warmup_steps):
@@ -97,8 +114,10 @@ def latent_diffusion(
         )
     factor = instantiate(lr_lambda, "model.params.lr_lambda") if lr_lambda is not None else None
     optimization = Optimization(
-        learning_rate, dict(optimizer or DEFAULT_OPTIMIZER), lr_schedule, lr_warmup_steps, factor
+        learning_rate, dict(optimizer or DEFAULT_OPTIMIZER), lr_schedule, lr_warmup_steps, factor, expert_lr_multiplier
     )
+    settings = dict(edm or {})
+    training_objective = _objective(objective, settings, mask_ratio, unconditional, snr_gamma, expert_lr_multiplier)
     lora = dict(lora) if lora is not None else None
     trainable = tuple(dict.fromkeys(trainable))
     if trainable_dtype == "bfloat16":
@@ -115,10 +134,29 @@ def latent_diffusion(
         pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora,
         dict(part_weights or {}), dict(architecture or {}), noise_schedule, scaling_factor,
     )  # fmt: skip
-    system = System(build, trainable, "unet", "clip", snr_gamma, sample_latents, optimization, lora, nonfinite_loss)
+    system = System(build, trainable, "unet", "clip", snr_gamma, sample_latents, optimization, lora, nonfinite_loss,
+                    training_objective)  # fmt: skip
     if all(isinstance(specs[name], torch.nn.Module) for name in NETWORK_PARTS):
         system.configure_model()  # networks passed in: nothing to load
     return system
+
+
+def _objective(
+    kind: str, edm: dict, mask_ratio: float, unconditional: str, snr_gamma: float | None, expert_lr_multiplier: float
+) -> Objective:
+    """The training objective of `model.params`, its settings checked against each other."""
+    if kind != "edm" and (edm or mask_ratio):
+        given = "model.params.edm" if edm else "model.params.mask_ratio"
+        raise ConfigError(f"{given}: applies to objective: edm; set model.params.objective: edm, or remove it")
+    if kind == "edm" and snr_gamma is not None:
+        raise ConfigError("model.params.snr_gamma: Min-SNR weights DDPM's loss; EDM weights its own, remove it")
+    if expert_lr_multiplier <= 0:
+        raise ConfigError(f"model.params.expert_lr_multiplier: got {expert_lr_multiplier}; must be positive")
+    if not 0 <= mask_ratio < 1:
+        raise ConfigError(f"model.params.mask_ratio: got {mask_ratio}; must be in [0, 1) (MicroDiT trains at 0.75)")
+    if edm.get("sigma_data", 1.0) <= 0 or edm.get("p_std", 1.0) <= 0:
+        raise ConfigError(f"model.params.edm: sigma_data and p_std must be positive; got {edm}")
+    return Objective(kind, **edm, mask_ratio=mask_ratio, zero_unconditional=unconditional == "zeros")
 
 
 @dataclass
