@@ -185,3 +185,17 @@ def test_bad_configs_and_calls_are_refused_naming_the_values():
         model(noisy, t, cond, keep=torch.zeros(3, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="does not split into"):
         MicroDiT(**{**MICRODIT_DIGITS, "patch_size": 2, "sample_size": 8})(torch.randn(1, 4, 7, 8), t[:1], cond)
+
+
+def test_positions_are_diffusers_sincos_embeddings_on_square_grids_and_laid_out_by_row_on_others():
+    import numpy as np
+    from diffusers.models.embeddings import get_2d_sincos_pos_embed
+
+    from ldm.backbones.microdit import sincos_positions
+
+    theirs = torch.as_tensor(np.asarray(get_2d_sincos_pos_embed(64, 8, base_size=4, interpolation_scale=2.0)))
+    torch.testing.assert_close(sincos_positions(64, 8, 8, base=4, scale=2.0), theirs.float())
+    wide = sincos_positions(64, 2, 3, base=2).view(2, 3, 64)
+    square = sincos_positions(64, 3, 3, base=2).view(3, 3, 64)
+    torch.testing.assert_close(wide[:, :, :32], square[:2, :, :32])  # the columns' half: same columns
+    assert torch.equal(wide[0, :, 32:], wide[0, :1, 32:].expand(3, -1)), "the rows' half is constant along a row"

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
-from diffusers.models.embeddings import TimestepEmbedding, Timesteps, get_2d_sincos_pos_embed
+from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from torch import nn
 
 from ldm.backbones.microdit_layers import FinalLayer, MicroDiTBlock, ProjectionMlp, PromptBlock, layer_norm
@@ -71,6 +71,26 @@ MICRODIT_DIGITS = dict(
     expert_capacity=2.0,
     experts_every_n=2,
 )
+
+
+def sincos_positions(width: int, rows: int, columns: int, base: int, scale: float = 1.0) -> torch.Tensor:
+    """Fixed 2D sin-cos position embeddings (rows * columns, width), patches row by row, as MAE / DiT make them
+    (the values of diffusers' `get_2d_sincos_pos_embed`): the first half of the channels encodes the column,
+    the second the row, each as sines then cosines of 10000^(-i / (width / 4)); coordinates are scaled so
+    that any grid spans a `base` x `base` one, then divided by `scale`.
+
+    Ours, not diffusers': its function in 0.29 returns numpy only and lays a non-square grid out wrongly."""
+    quarter = width // 4
+    frequencies = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
+
+    def encode(coordinates: torch.Tensor) -> torch.Tensor:
+        angles = coordinates.reshape(-1, 1) * frequencies
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    row = torch.arange(rows, dtype=torch.float64) / (rows / base) / scale
+    column = torch.arange(columns, dtype=torch.float64) / (columns / base) / scale
+    grid_row, grid_column = torch.meshgrid(row, column, indexing="ij")
+    return torch.cat([encode(grid_column), encode(grid_row)], dim=1).float()
 
 
 def _check_config(config: Mapping) -> None:
@@ -236,14 +256,8 @@ class MicroDiT(ModelMixin, ConfigMixin):
     def position_embedding(self, rows: int, columns: int, device: torch.device | None = None) -> torch.Tensor:
         """2D sin-cos position embeddings (rows * columns, width) of a patch grid, interpolated to span the
         positions of the `sample_size // patch_size` grid (divided by `pos_interp_scale`)."""
-        return get_2d_sincos_pos_embed(
-            self.config.width,
-            (rows, columns),
-            interpolation_scale=self.config.pos_interp_scale,
-            base_size=self.config.sample_size // self.config.patch_size,
-            device=device,
-            output_type="pt",
-        )
+        base, scale = self.config.sample_size // self.config.patch_size, self.config.pos_interp_scale
+        return sincos_positions(self.config.width, rows, columns, base, scale).to(device)
 
     def forward(
         self,
