@@ -7,6 +7,7 @@ from pathlib import Path
 
 from diffusers import StableDiffusionPipeline
 
+from ldm.pipelines.microdit import MicroDiTPipeline
 from ldm.sampling import build_pipeline, inference_scheduler
 from ldm.weights.checkpoint import load_checkpoint
 from ldm.weights.formats import PICKLE_SUFFIXES, Format, detect
@@ -15,13 +16,18 @@ from ldm.weights.read import parts_from_checkpoint, read_parts
 from ldm.weights.single_file import save_single_file
 
 
-def load_pipeline(path: str | Path, sampler: str = "ddim", ema: bool = False) -> StableDiffusionPipeline:
+def load_pipeline(
+    path: str | Path, sampler: str = "ddim", ema: bool = False
+) -> StableDiffusionPipeline | MicroDiTPipeline:
     """A pipeline from one of our checkpoints, an original single file, or a diffusers folder."""
     path = Path(path)
     if detect(path) is Format.DIFFUSERS:
         if ema:
             raise ValueError("--ema applies to checkpoints; an exported folder holds one set of weights")
-        pipe = StableDiffusionPipeline.from_pretrained(path, local_files_only=True, safety_checker=None)
+        if json.loads((path / "model_index.json").read_text()).get("_class_name") == MicroDiTPipeline.__name__:
+            pipe = MicroDiTPipeline.from_pretrained(path, local_files_only=True)
+        else:
+            pipe = StableDiffusionPipeline.from_pretrained(path, local_files_only=True, safety_checker=None)
         pipe.scheduler = inference_scheduler(pipe.scheduler, sampler)
         return pipe
     return build_pipeline(read_parts(path, ema=ema), sampler)

@@ -1,4 +1,5 @@
-"""Sample from parts through a diffusers `StableDiffusionPipeline`, and lay images out in grids."""
+"""Sample from parts through a diffusers pipeline (`StableDiffusionPipeline` for a UNet, our `MicroDiTPipeline`
+for a MicroDiT), and lay images out in grids."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image, ImageDraw
 
+from ldm.backbones.microdit import MicroDiT
 from ldm.components import Parts
+from ldm.pipelines.microdit import MicroDiTPipeline
 
 SAMPLERS = {
     "ddim": "DDIMScheduler",
@@ -20,6 +23,10 @@ SAMPLERS = {
 }
 
 
+# A MicroDiT trains with EDM: it samples with diffusers' EDM schedulers, which precondition as it trained.
+EDM_SAMPLERS = {"euler": "EDMEulerScheduler", "ddim": "EDMEulerScheduler", "dpm++": "EDMDPMSolverMultistepScheduler"}
+
+
 class SamplingStopped(Exception):
     """`sample` stopped between denoising steps because its `stop()` said so."""
 
@@ -28,25 +35,39 @@ def inference_scheduler(training_scheduler, sampler: str = "ddim"):
     """A sampling scheduler sharing the training noise schedule and prediction type."""
     import diffusers
 
+    config = {k: v for k, v in training_scheduler.config.items() if k != "_use_default_values"}
+    if "sigma_data" in config:  # an EDM model
+        if sampler not in EDM_SAMPLERS:
+            raise ValueError(f"sampler: an EDM model samples with {', '.join(EDM_SAMPLERS)}; got {sampler!r}")
+        return getattr(diffusers, EDM_SAMPLERS[sampler]).from_config(config)
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
-    config = {k: v for k, v in training_scheduler.config.items() if k != "_use_default_values"}
     config["clip_sample"] = False  # latents are not bounded in [-1, 1]
     return getattr(diffusers, SAMPLERS[sampler]).from_config(config)
 
 
 def check_samplable(parts: Parts) -> None:
-    """Raise `ValueError` unless `parts` can go into a `StableDiffusionPipeline`: its denoiser must be a UNet."""
-    if not isinstance(parts.unet, UNet2DConditionModel):
+    """Raise `ValueError` unless `parts` have a pipeline: the denoiser must be a UNet or a MicroDiT."""
+    if not isinstance(parts.unet, (UNet2DConditionModel, MicroDiT)):
         raise ValueError(
-            f"sampling and export go through diffusers' StableDiffusionPipeline, which needs a UNet2DConditionModel; "
-            f"this denoiser is a {type(parts.unet).__name__}, which trains and checkpoints but cannot sample yet"
+            "sampling and export go through diffusers' StableDiffusionPipeline (a UNet2DConditionModel) or "
+            f"ldm's MicroDiTPipeline; this denoiser is a {type(parts.unet).__name__}, which trains and "
+            "checkpoints but cannot sample yet"
         )
 
 
-def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeline:
-    """A `StableDiffusionPipeline` over `parts` (shared, not copied), without a safety checker."""
+def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeline | MicroDiTPipeline:
+    """The pipeline of `parts` (shared, not copied): a `StableDiffusionPipeline` without a safety checker, or
+    a `MicroDiTPipeline` with an EDM scheduler."""
     check_samplable(parts)
+    if isinstance(parts.unet, MicroDiT):
+        return MicroDiTPipeline(
+            transformer=parts.unet,
+            vae=parts.vae,
+            text_encoder=parts.text_encoder,
+            tokenizer=parts.tokenizer,
+            scheduler=inference_scheduler(parts.scheduler, sampler),
+        )
     return StableDiffusionPipeline(
         vae=parts.vae,
         text_encoder=parts.text_encoder,

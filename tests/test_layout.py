@@ -92,14 +92,15 @@ FLOORS = {
     "ldm.diffusion": 1,
     "ldm.components": 2,
     "ldm.backbones": 3,
-    "ldm.sampling": 3,
+    "ldm.pipelines": 4,
     "ldm.systems": 4,
     "ldm.data": 4,
-    "ldm.weights": 5,
-    "ldm.training": 6,
-    "ldm.export": 7,
-    "ldm.models": 7,
-    "ldm.cli": 8,
+    "ldm.sampling": 5,
+    "ldm.weights": 6,
+    "ldm.training": 7,
+    "ldm.export": 8,
+    "ldm.models": 8,
+    "ldm.cli": 9,
 }
 
 

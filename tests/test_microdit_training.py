@@ -1,6 +1,7 @@
 """MicroDiT trained through main.py: EDM on the patches kept after the mixer, EMA, exact resume after kill -9,
 unmasked fine-tuning from the same checkpoint, the experts' own LR, and config errors naming the key."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from ldm.backbones.microdit_layers import ExpertChoiceFeedForward
 from ldm.config import instantiate
 from ldm.training.run import prepare_config
 from main import main
+from tests.helpers import run_script
 from tests.test_faults import clean_env, losses, record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,3 +166,94 @@ def test_a_unet_cannot_be_trained_masked(tiny_sd, tmp_path, capsys):
     assert "model.params.mask_ratio: 0.5, but the unet (UNet2DConditionModel) does not mask patches" in (
         capsys.readouterr().err
     )
+
+
+@pytest.fixture(scope="module")
+def exported(unbroken, tmp_path_factory) -> Path:
+    run_dir, _ = unbroken
+    out = tmp_path_factory.mktemp("pipe") / "microdit"
+    run_script("export_diffusers.py", "--ckpt", run_dir / "checkpoints" / "last.ckpt", "--out", out)
+    return out
+
+
+def draw(pipe, **kwargs):
+    settings = dict(num_inference_steps=3, num_images_per_prompt=2, output_type="pt", guidance_scale=2.0)
+    return pipe("a handwritten digit 3", generator=torch.Generator().manual_seed(0), **{**settings, **kwargs}).images
+
+
+def test_an_exported_folder_loads_and_samples_as_the_checkpoint_does(unbroken, exported):
+    from diffusers import DiffusionPipeline
+
+    from ldm.export import load_pipeline
+    from ldm.pipelines.microdit import MicroDiTPipeline
+
+    run_dir, _ = unbroken
+    index = json.loads((exported / "model_index.json").read_text())
+    assert index["_class_name"] == "MicroDiTPipeline" and index["transformer"] == ["ldm.backbones.microdit", "MicroDiT"]
+    assert index["scheduler"] == ["diffusers", "EDMEulerScheduler"]
+    folder = MicroDiTPipeline.from_pretrained(exported)
+    images = draw(folder)
+    assert images.shape == (2, 1, 32, 32) and 0 <= float(images.min()) and float(images.max()) <= 1
+    assert torch.equal(draw(DiffusionPipeline.from_pretrained(exported)), images)
+    torch.testing.assert_close(draw(load_pipeline(run_dir / "checkpoints" / "last.ckpt")), images)
+    dpm = load_pipeline(exported, sampler="dpm++")
+    assert type(dpm.scheduler).__name__ == "EDMDPMSolverMultistepScheduler" and draw(dpm).shape == images.shape
+
+
+def test_guidance_takes_an_all_zero_caption_as_the_unconditional_branch(exported):
+    from ldm.pipelines.microdit import MicroDiTPipeline
+
+    pipe = MicroDiTPipeline.from_pretrained(exported)
+    seen, forward = [], pipe.transformer.forward
+
+    def spy(noisy, t, cond, **kwargs):
+        seen.append(cond["encoder_hidden_states"])
+        return forward(noisy, t, cond, **kwargs)
+
+    pipe.transformer.forward = spy
+    draw(pipe, num_inference_steps=1, guidance_scale=2.0)
+    (hidden,) = seen
+    assert hidden.shape[0] == 4 and not hidden[:2].any() and hidden[2:].abs().sum() > 0
+    seen.clear()
+    draw(pipe, num_inference_steps=1, guidance_scale=1.0)
+    assert seen[0].shape[0] == 2, "no unconditional branch without guidance"
+
+
+def test_an_edm_euler_step_is_the_preconditioned_denoiser(exported):
+    """One step of the pipeline from sigma_max to 0 is the network's preconditioned estimate (Karras eq. 7)."""
+    from ldm.pipelines.microdit import MicroDiTPipeline
+
+    pipe = MicroDiTPipeline.from_pretrained(exported)
+    pipe.scheduler.set_timesteps(1)
+    sigma = pipe.scheduler.sigmas[0].double()
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * pipe.scheduler.init_noise_sigma
+    cond = {"encoder_hidden_states": pipe.encode_prompt(["a handwritten digit 3"])}
+    c_skip, c_out, c_in, c_noise = (float(c) for c in diffusion.edm_scalings(sigma, 0.9))
+    with torch.no_grad():
+        out = pipe.transformer(latents * c_in, torch.tensor([c_noise]), cond)
+    expected = c_skip * latents + c_out * out
+    stepped = pipe.scheduler.step(out, pipe.scheduler.timesteps[0], latents).prev_sample
+    torch.testing.assert_close(stepped, expected, rtol=1e-3, atol=1e-4)  # the scheduler computes in float32
+
+
+def test_the_image_logger_draws_microdit_grids_while_training(digits_vae, tmp_path):
+    logger = ["lightning.callbacks.image_logger.target=ldm.training.callbacks.image_logger.ImageLogger",
+              "lightning.callbacks.image_logger.params.prompts=[a handwritten digit 1]",
+              "lightning.callbacks.image_logger.params.every_n_steps=2",
+              "lightning.callbacks.image_logger.params.num_inference_steps=2"]  # fmt: skip
+    assert main(args(digits_vae, tmp_path / "logs", "lightning.trainer.max_steps=2", *logger)) == 0
+    (run,) = (tmp_path / "logs").iterdir()
+    assert [p.name for p in (run / "images").iterdir()] == ["step_000002.png"]
+
+
+def test_the_digits_judge_scores_an_exported_microdit(exported, tmp_path):
+    from examples.digits.evaluate import main as evaluate
+
+    result = evaluate([str(exported), "--samples-per-digit", "1", "--steps", "2", "--json", str(tmp_path / "s.json")])
+    assert 0.0 <= result["accuracy"] <= 1.0 and len(result["per_digit"]) == 10
+
+
+def test_ldm_sample_draws_a_grid_from_the_folder(exported, tmp_path):
+    out = run_script("txt2img.py", "--model", exported, "--prompt", "a handwritten digit 7", "--n", "2",
+                     "--steps", "2", "--outdir", tmp_path / "samples")  # fmt: skip
+    assert "2 images in" in out and (tmp_path / "samples" / "grid.png").is_file()

@@ -13,7 +13,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> dict:
     """Parse arguments, evaluate the pipeline, print the scores and optionally save them."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("pipeline_dir", help="a saved StableDiffusionPipeline directory")
+    parser.add_argument("pipeline_dir", help="an exported pipeline folder (UNet or MicroDiT), or a checkpoint")
     parser.add_argument("--samples-per-digit", type=int, default=10)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--guidance", type=float, default=5.0)
@@ -21,14 +21,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None, help="write the scores here")
     args = parser.parse_args(argv)
 
-    from diffusers import StableDiffusionPipeline
-
     from examples.digits.data import DigitsDataset
     from examples.digits.judge import classifier_accuracy, evaluate_pipeline, train_digit_classifier
+    from ldm.export import load_pipeline
 
-    pipe = StableDiffusionPipeline.from_pretrained(
-        args.pipeline_dir, safety_checker=None, requires_safety_checker=False
-    ).to("cpu")
+    pipe = load_pipeline(args.pipeline_dir).to("cpu")
     pipe.set_progress_bar_config(disable=True)
     classifier = train_digit_classifier(seed=args.seed)
     test = DigitsDataset(split="test")

@@ -24,7 +24,7 @@ def write_pipeline(parts: Parts, out_dir: str | Path, sampler: str = "ddim", hal
     extras = writable(parts, half)  # before `half`: is the UNet still the one the EMA copy averages?
     pipe = build_pipeline(parts, sampler)
     if half:
-        for module in (pipe.unet, pipe.vae, pipe.text_encoder):
+        for module in (parts.unet, pipe.vae, pipe.text_encoder):
             module.half()
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)

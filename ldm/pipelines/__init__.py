@@ -1,0 +1,1 @@
+"""Diffusers pipelines for denoisers diffusers has no pipeline for (MicroDiT)."""
