@@ -244,9 +244,10 @@ class LatentDiffusion(pl.LightningModule):
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         return [p for name in self.trainable for p in getattr(self, name).parameters() if p.requires_grad]
 
-    def parameter_groups(self) -> list[dict]:
-        """The trained parameters as optimizer groups: those of mixture-of-experts modules (`lr_group =
-        "experts"`) at `expert_lr_multiplier` times the LR, when it is not 1, and all others."""
+    def parameter_groups(self) -> list[torch.nn.Parameter] | list[dict]:
+        """The trained parameters for the optimizer: two groups when `expert_lr_multiplier` is not 1, those of
+        mixture-of-experts modules (`lr_group = "experts"`) at that multiple of the LR and all others; else the
+        plain list, as every optimizer (Colossal-AI's included) takes it."""
         multiplier = self.optimization.expert_lr_multiplier
         experts = {
             id(p)
@@ -257,7 +258,7 @@ class LatentDiffusion(pl.LightningModule):
         }
         params = self.trained_parameters()
         if multiplier == 1 or not experts:
-            return [{"params": params}]
+            return params
         rest = [p for p in params if id(p) not in experts]
         moe = [p for p in params if id(p) in experts]
         return [{"params": rest}, {"params": moe, "lr": self.optimization.learning_rate * multiplier}]
