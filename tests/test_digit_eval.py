@@ -11,6 +11,9 @@ from examples.digits.data import DigitsDataset
 from examples.digits.judge import (
     classifier_accuracy,
     evaluate_pipeline,
+    frechet_distance,
+    judge_features,
+    real_digit_features,
     score_samples,
     train_digit_classifier,
 )
@@ -119,9 +122,23 @@ def _tiny_pipeline(tmp_path):
 def test_evaluate_pipeline(classifier, tmp_path):
     pipe = _tiny_pipeline(tmp_path)
     result = evaluate_pipeline(pipe, samples_per_digit=2, num_inference_steps=2, classifier=classifier)
-    assert set(result) == {"accuracy", "per_digit", "confusion", "samples"}
+    assert set(result) == {"accuracy", "per_digit", "confusion", "frechet_distance", "samples"}
+    assert result["frechet_distance"] > 0
     assert result["samples"].shape == (20, 1, 32, 32)
     assert result["samples"].min() >= -1 and result["samples"].max() <= 1
     assert 0.0 <= result["accuracy"] <= 1.0
     assert len(result["per_digit"]) == 10
     assert torch.tensor(result["confusion"]).sum() == 20
+
+
+def test_frechet_distance_is_its_formula_and_punishes_alike_samples(classifier, test_split):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(400, 3, generator=g, dtype=torch.float64), torch.randn(400, 3, generator=g, dtype=torch.float64)
+    b = b * 2 + 1  # N(1, 4 I) against N(0, I): |mu|^2 = 3, tr(I + 4I - 2 * 2I) = 3
+    assert frechet_distance(a, b) == pytest.approx(6.0, rel=0.15)
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-6)
+    real = real_digit_features(classifier)
+    assert real.shape == (1797, 48)
+    varied = judge_features(classifier, test_split.images[:100])
+    alike = judge_features(classifier, test_split.images[:10].repeat(10, 1, 1, 1))  # right digits, ten drawings
+    assert frechet_distance(varied, real) < frechet_distance(alike, real) / 2

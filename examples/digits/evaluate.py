@@ -1,4 +1,5 @@
-"""Score a digits pipeline: does each prompt "a handwritten digit D" produce a D?
+"""Score a digits pipeline: does each prompt "a handwritten digit D" produce a D, and how far are the samples
+from the real digits (the Fréchet distance of the judge's features; lower is better)?
 
 python -m examples.digits.evaluate outputs/quickstart/pipeline [--json scores.json]
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import torch
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -22,7 +25,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from examples.digits.data import DigitsDataset
-    from examples.digits.judge import classifier_accuracy, evaluate_pipeline, train_digit_classifier
+    from examples.digits.judge import (
+        classifier_accuracy,
+        evaluate_pipeline,
+        frechet_distance,
+        judge_features,
+        real_digit_features,
+        train_digit_classifier,
+    )
     from ldm.export import load_pipeline
 
     pipe = load_pipeline(args.pipeline_dir).to("cpu")
@@ -40,8 +50,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     result.pop("samples")
     result["classifier_test_accuracy"] = held_out
+    # the floor: as many real digits as there are samples, against all of them
+    count = 10 * args.samples_per_digit
+    everything = DigitsDataset().images
+    real = everything[torch.randperm(len(everything), generator=torch.Generator().manual_seed(args.seed))[:count]]
+    floor = frechet_distance(judge_features(classifier, real), real_digit_features(classifier))
+    result["frechet_distance_real"] = floor
     print(f"classifier held-out accuracy: {held_out:.3f}")
     print(f"prompt accuracy: {result['accuracy']:.3f}")
+    print(f"Fréchet distance to the real digits: {result['frechet_distance']:.2f} ({count} real digits: {floor:.2f})")
     print("per digit: " + "  ".join(f"{d}:{a:.2f}" for d, a in enumerate(result["per_digit"])))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
