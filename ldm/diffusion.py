@@ -9,12 +9,17 @@ functions work for any noise schedule, need no scheduler object, and are tested 
 `edm_loss` is one EDM training step: log-normal noise levels, the preconditioning of Karras et al. table 1,
 their loss weighting, and optionally the loss over the patches a masked denoiser kept (MicroDiT, Sehwag et
 al. 2024), each patch the mean of its pixels' losses.
+
+Every random number of a step comes from a `Draws`: the global generator by default, or one generator per
+sample keyed by (seed, step, sample id) (`sample_keys`), so that a sample's noise does not depend on which
+process or batch it is trained in: the same global batch then trains the same at any number of processes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,18 +27,69 @@ PREDICTION_TYPES = ("epsilon", "v_prediction")
 Denoiser = Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 
 
+class Draws:
+    """Where one training step's random numbers come from. Without `keys`: the global generator, drawing as
+    `torch.randn` / `rand` / `randint` do over the batch. With `keys` (one per sample, see `sample_keys`): each
+    sample's numbers from its own generator seeded by its key, in the order the step asks for them, so a
+    sample's draws do not depend on the batch, position or process it is trained in."""
+
+    def __init__(self, keys: Sequence[int] | None = None) -> None:
+        self.keys = None if keys is None else [int(key) for key in keys]
+        self._generators: dict[torch.device, list[torch.Generator]] = {}
+
+    def _per_sample(self, batch: int, device: torch.device | str | None) -> list[torch.Generator]:
+        if len(self.keys) != batch:
+            raise ValueError(f"Draws: {len(self.keys)} sample keys for a batch of {batch}")
+        device = torch.device(device or "cpu")
+        if device not in self._generators:
+            self._generators[device] = [torch.Generator(device).manual_seed(key) for key in self.keys]
+        return self._generators[device]
+
+    def normal(
+        self, batch: int, shape: Sequence[int] = (), device: torch.device | str | None = None, dtype=torch.float32
+    ) -> torch.Tensor:
+        """(batch, *shape) standard normal numbers."""
+        if self.keys is None:
+            return torch.randn(batch, *shape, device=device, dtype=dtype)
+        return torch.stack(
+            [torch.randn(*shape, device=device, dtype=dtype, generator=g) for g in self._per_sample(batch, device)]
+        )
+
+    def uniform(self, batch: int, shape: Sequence[int] = (), device: torch.device | str | None = None) -> torch.Tensor:
+        """(batch, *shape) numbers uniform in [0, 1)."""
+        if self.keys is None:
+            return torch.rand(batch, *shape, device=device)
+        return torch.stack([torch.rand(*shape, device=device, generator=g) for g in self._per_sample(batch, device)])
+
+    def integers(self, high: int, batch: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """(batch,) integers uniform in [0, high)."""
+        if self.keys is None:
+            return torch.randint(0, high, (batch,), device=device)
+        generators = self._per_sample(batch, device)
+        return torch.cat([torch.randint(0, high, (1,), device=device, generator=g) for g in generators])
+
+
+def sample_keys(seed: int, step: int, sample_ids: Sequence[int]) -> list[int]:
+    """One generator seed per sample, a function of (seed, step, sample id) alone (numpy's `SeedSequence`
+    mixes them): the keys of `Draws`."""
+    return [int(np.random.SeedSequence([seed, step, int(i)]).generate_state(1, np.uint64)[0]) for i in sample_ids]
+
+
+GLOBAL_DRAWS = Draws()
+
+
 def _gather(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     a = alphas_cumprod.to(device=like.device, dtype=torch.float32)[timesteps.to(like.device)]
     return a.reshape(-1, *([1] * (like.ndim - 1)))
 
 
-def sample_posterior(mean: torch.Tensor, std: torch.Tensor | None) -> torch.Tensor:
+def sample_posterior(mean: torch.Tensor, std: torch.Tensor | None, draws: Draws = GLOBAL_DRAWS) -> torch.Tensor:
     """A latent drawn from the VAE's diagonal Gaussian posterior, mean + std * N(0, 1), as diffusers'
     `latent_dist.sample()` and CompVis' `encode_first_stage` draw it; the mean itself when `std` is None.
     The normal draw is in logical order, so a channels-last `mean` gets the same draw as a contiguous one."""
     if std is None:
         return mean
-    return mean + std * torch.randn_like(mean, memory_format=torch.contiguous_format)
+    return mean + std * draws.normal(mean.shape[0], mean.shape[1:], mean.device, mean.dtype)
 
 
 def add_noise(
@@ -93,6 +149,7 @@ def ddpm_loss(
     alphas_cumprod: torch.Tensor,
     prediction_type: str,
     snr_gamma: float | None = None,
+    draws: Draws = GLOBAL_DRAWS,
 ) -> torch.Tensor:
     """The DDPM training loss of `denoiser(noisy, t, cond) -> prediction` on clean latents `x0`
     (Ho et al. 2020, algorithm 1): a uniform timestep and Gaussian noise per sample, the target of
@@ -100,19 +157,18 @@ def ddpm_loss(
 
     The noise is drawn in logical order whatever `x0`'s memory layout (VAE outputs can be channels-last),
     so cached and freshly encoded latents get the same noise."""
-    noise = torch.randn_like(x0, memory_format=torch.contiguous_format)
-    t = torch.randint(0, len(alphas_cumprod), (x0.shape[0],), device=x0.device)
+    noise = draws.normal(x0.shape[0], x0.shape[1:], x0.device, x0.dtype)
+    t = draws.integers(len(alphas_cumprod), x0.shape[0], x0.device)
     prediction = denoiser(add_noise(x0, noise, t, alphas_cumprod), t, cond)
     target = training_target(x0, noise, t, alphas_cumprod, prediction_type)
     weights = None if snr_gamma is None else min_snr_weights(t, alphas_cumprod, snr_gamma, prediction_type)
     return diffusion_loss(prediction, target, weights)
 
 
-def edm_sigmas(
-    batch: int, p_mean: float, p_std: float, device: torch.device | str | None = None, generator=None
-) -> torch.Tensor:
-    """Training noise levels, log-normal: ln sigma ~ N(p_mean, p_std^2) (Karras et al. 2022, table 1)."""
-    return (torch.randn(batch, device=device, generator=generator) * p_std + p_mean).exp()
+def edm_sigmas(z: torch.Tensor, p_mean: float, p_std: float) -> torch.Tensor:
+    """Training noise levels, log-normal: ln sigma = p_mean + p_std z for standard normal z, so ln sigma ~
+    N(p_mean, p_std^2) (Karras et al. 2022, table 1)."""
+    return (z * p_std + p_mean).exp()
 
 
 def edm_scalings(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, ...]:
@@ -135,17 +191,20 @@ def random_keep(
     mask_ratio: float,
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
+    draws: Draws | None = None,
 ) -> torch.Tensor:
     """A uniformly random subset of `round((1 - mask_ratio) * num_patches)` patch indices per sample, sorted,
-    as a LongTensor (batch, K): the patches deferred masking keeps (Sehwag et al. 2024, section 3)."""
+    as a LongTensor (batch, K): the patches deferred masking keeps (Sehwag et al. 2024, section 3). The scores
+    come from `generator`, or `draws`, or the global generator."""
     if not 0 <= mask_ratio < 1:
         raise ValueError(f"random_keep: mask_ratio={mask_ratio}; it must be in [0, 1)")
     kept = round((1 - mask_ratio) * num_patches)
     if kept < 1:
         raise ValueError(f"random_keep: mask_ratio={mask_ratio} of {num_patches} patches keeps none; lower it")
     if generator is not None:
-        device = generator.device
-    scores = torch.rand(batch, num_patches, generator=generator, device=device)
+        scores = torch.rand(batch, num_patches, generator=generator, device=generator.device)
+    else:
+        scores = (draws or GLOBAL_DRAWS).uniform(batch, (num_patches,), device)
     return scores.argsort(dim=1)[:, :kept].sort(dim=1).values
 
 
@@ -167,6 +226,7 @@ def edm_loss(
     sigma_data: float,
     keep: torch.Tensor | None = None,
     patch_size: int = 1,
+    draws: Draws = GLOBAL_DRAWS,
 ) -> torch.Tensor:
     """The EDM training loss (Karras et al. 2022, eq. 2 with table 1's choices) of a network
     `denoiser(c_in * noisy, c_noise, cond) -> F` on clean latents `x0`: sigma log-normal per sample, the
@@ -175,8 +235,8 @@ def edm_loss(
     With `keep` (B, K), the patch indices a masked denoiser keeps (it is called with `keep=`), the loss is
     over those patches only: each the mean of its pixels' weighted squared errors, averaged over the kept
     patches and the batch (deferred masking, Sehwag et al. 2024). Without, over every pixel."""
-    sigma = edm_sigmas(x0.shape[0], p_mean, p_std, x0.device)
-    noise = torch.randn_like(x0, memory_format=torch.contiguous_format)
+    sigma = edm_sigmas(draws.normal(x0.shape[0], (), x0.device), p_mean, p_std)
+    noise = draws.normal(x0.shape[0], x0.shape[1:], x0.device, x0.dtype)
     shaped = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
     noisy = x0.float() + shaped * noise.float()
     c_skip, c_out, c_in, c_noise = edm_scalings(shaped, sigma_data)

@@ -42,3 +42,22 @@ def write_images(root: Path, n: int = 6, size: tuple[int, int] = (24, 20), metad
 @pytest.fixture(scope="session")
 def image_folder(tmp_path_factory) -> Path:
     return write_images(tmp_path_factory.mktemp("images"))
+
+
+SHARD_SOURCES = {"a": 28, "b": 12}  # images per source: 40 samples an epoch at proportions 0.7 / 0.3
+
+
+@pytest.fixture(scope="session")
+def shards(tiny_sd, tmp_path_factory) -> dict[str, Path]:
+    """Two sources of shards precomputed from image folders with the tiny SD's VAE and text encoder."""
+    from ldm.cli.precompute import main as precompute
+    from tests.helpers import SD_FOLDER
+
+    tmp = tmp_path_factory.mktemp("shards")
+    for name, count in SHARD_SOURCES.items():
+        write_images(tmp / f"images-{name}", n=count, size=(40, 32))
+        code = precompute(["-b", str(SD_FOLDER), "--out", str(tmp / name), "--chunk-size", "10",
+                           f"model.params.pretrained={tiny_sd}", f"data.params.root={tmp / f'images-{name}'}",
+                           "data.params.size=16", "data.params.num_workers=0"])  # fmt: skip
+        assert code == 0
+    return {name: tmp / name for name in SHARD_SOURCES}

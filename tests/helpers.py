@@ -114,17 +114,18 @@ class RecordLosses(pl.Callback):
 
 
 class SendSignal(pl.Callback):
-    """Send `signal` to this process at the end of step `step` (on rank `rank` only); each rank writes
-    `RANK.done` into `done_dir` when its fit ends, so a test can see that every rank got out."""
+    """Send `signal` to this process at the end of step `step` (on rank `rank` only, or every rank when it is
+    None: a lost node); each rank writes `RANK.done` into `done_dir` when its fit ends, so a test can see that
+    every rank got out."""
 
-    def __init__(self, step: int, signal: str, rank: int = 0, done_dir: str | None = None) -> None:
+    def __init__(self, step: int, signal: str, rank: int | None = 0, done_dir: str | None = None) -> None:
         self.step, self.signal, self.rank, self.done_dir = step, signal, rank, done_dir
 
     def on_train_batch_end(self, trainer, *args) -> None:
         import os
         import signal
 
-        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), getattr(signal, self.signal))
 
     def teardown(self, trainer, pl_module, stage) -> None:
@@ -178,3 +179,17 @@ class RecordSamples(pl.Callback):
         }
         with (self.folder / f"samples-{trainer.global_rank}.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+class RecordShards(pl.Callback):
+    """Write `{"local": N, "total": M}` to `DIR/shards-RANK.json` at the start of training: how many of the
+    denoiser's parameter values this process holds (its shard, under FSDP) of how many in all."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        params = list(getattr(pl_module, pl_module.denoiser_name).parameters())
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+        row = {"local": local, "total": sum(p.numel() for p in params)}
+        (self.folder / f"shards-{trainer.global_rank}.json").write_text(json.dumps(row))

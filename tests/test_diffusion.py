@@ -193,6 +193,42 @@ def test_an_edm_loss_keeping_every_patch_is_the_unmasked_loss():
 
 
 def test_edm_sigmas_are_log_normal():
-    sigma = diffusion.edm_sigmas(200_000, p_mean=-0.6, p_std=1.2, generator=torch.Generator().manual_seed(0))
+    z = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    sigma = diffusion.edm_sigmas(z, p_mean=-0.6, p_std=1.2)
     assert float(sigma.log().mean()) == pytest.approx(-0.6, abs=0.01)
     assert float(sigma.log().std()) == pytest.approx(1.2, abs=0.01)
+
+
+def test_keyed_draws_follow_the_sample_not_its_batch_or_position():
+    keys = diffusion.sample_keys(seed=3, step=7, sample_ids=[10, 11, 12, 13])
+    assert len(set(keys)) == 4
+    assert keys[:2] == diffusion.sample_keys(3, 7, [10, 11]), "a function of (seed, step, id) alone"
+    assert keys[0] not in diffusion.sample_keys(4, 7, [10]) + diffusion.sample_keys(3, 8, [10])
+    x0 = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    alphas = torch.linspace(0.99, 0.01, 1000)
+    seen = []
+
+    def record(noisy, t, cond):
+        seen.append((noisy, t))
+        return noisy
+
+    diffusion.ddpm_loss(record, x0, {}, alphas, "epsilon", draws=diffusion.Draws(keys))
+    order = [2, 0]  # two of the samples, in another batch and order
+    diffusion.ddpm_loss(record, x0[order], {}, alphas, "epsilon", draws=diffusion.Draws([keys[i] for i in order]))
+    (whole, t_whole), (part, t_part) = seen
+    torch.testing.assert_close(part, whole[order], rtol=0, atol=0)
+    assert torch.equal(t_part, t_whole[order])
+    draws = diffusion.Draws(keys)
+    assert not torch.equal(draws.normal(4, (3,)), draws.normal(4, (3,))), "each call draws anew"
+    with pytest.raises(ValueError, match="4 sample keys for a batch of 2"):
+        diffusion.Draws(keys).normal(2)
+
+
+def test_the_global_draws_are_torchs_own():
+    torch.manual_seed(1)
+    expected = torch.randn(3, 2, dtype=torch.float64), torch.rand(3, 5), torch.randint(0, 9, (3,))
+    torch.manual_seed(1)
+    drawn = (diffusion.GLOBAL_DRAWS.normal(3, (2,), dtype=torch.float64), diffusion.GLOBAL_DRAWS.uniform(3, (5,)),
+             diffusion.GLOBAL_DRAWS.integers(9, 3))  # fmt: skip
+    for a, b in zip(drawn, expected):
+        assert torch.equal(a, b)

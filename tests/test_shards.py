@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 from diffusers import StableDiffusionPipeline
 
-from ldm.cli.precompute import main as precompute
 from main import main
-from tests.conftest import REPO, write_images
-from tests.helpers import SD_FOLDER, run_script
+from tests.conftest import REPO
+from tests.helpers import run_script
 from tests.test_faults import clean_env
 
 TINY = REPO / "configs" / "pretrain" / "tiny-shards.yaml"
-SIZES = {"a": 28, "b": 12}  # 40 samples an epoch at 0.7 / 0.3: 5 batches of 8
 
 
 def lock_files() -> set[Path]:
@@ -40,19 +38,6 @@ def clean_up_after_killed_runs():
         path.unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="module")
-def shards(tiny_sd, tmp_path_factory) -> dict[str, Path]:
-    """Two sources precomputed from image folders with the tiny SD's VAE and text encoder."""
-    tmp = tmp_path_factory.mktemp("shards")
-    for name, count in SIZES.items():
-        write_images(tmp / f"images-{name}", n=count, size=(40, 32))
-        code = precompute(["-b", str(SD_FOLDER), "--out", str(tmp / name), "--chunk-size", "10",
-                           f"model.params.pretrained={tiny_sd}", f"data.params.root={tmp / f'images-{name}'}",
-                           "data.params.size=16", "data.params.num_workers=0"])  # fmt: skip
-        assert code == 0
-    return {name: tmp / name for name in SIZES}
-
-
 def args(tiny_sd, shards, logdir, record_dir, *extra) -> list[str]:
     sources = f"[{{path: {shards['a']}, proportion: 0.7}}, {{path: {shards['b']}, proportion: 0.3}}]"
     return [
@@ -63,9 +48,10 @@ def args(tiny_sd, shards, logdir, record_dir, *extra) -> list[str]:
     ]  # fmt: skip
 
 
-def recorded(folder: Path) -> dict[int, dict]:
-    """step -> the batch trained on at that step (a step seen again after a resume: the last time)."""
-    return {row["step"]: row for row in map(json.loads, (folder / "samples-0.jsonl").read_text().splitlines())}
+def recorded(folder: Path, rank: int = 0) -> dict[int, dict]:
+    """step -> the batch `rank` trained on at that step (a step seen again after a resume: the last time)."""
+    rows = (folder / f"samples-{rank}.jsonl").read_text().splitlines()
+    return {row["step"]: row for row in map(json.loads, rows)}
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,8 @@ class MicroDiT(ModelMixin, ConfigMixin):
     `sample_size // patch_size` grid, divided by `pos_interp_scale`.
     """
 
+    _no_split_modules = ["MicroDiTBlock", "PromptBlock"]  # the units FSDP shards on their own
+
     @register_to_config
     def __init__(
         self,

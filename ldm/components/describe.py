@@ -38,8 +38,11 @@ def config_dict(part: Any) -> dict:
 
 def class_path(obj: Any) -> str:
     """The shortest import path of `obj`'s class: `diffusers.UNet2DConditionModel` where the package
-    exports it at its top, else its module's full path."""
+    exports it at its top, else its module's full path. A part sharded by FSDP2 is described by its own class
+    (`fully_shard` swaps in a subclass `FSDP<Name>` of `(FSDPModule, <Name>)`)."""
     cls = type(obj)
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
+        cls = cls.__bases__[1]
     top = cls.__module__.split(".")[0]
     if getattr(importlib.import_module(top), cls.__name__, None) is cls:
         return f"{top}.{cls.__name__}"

@@ -5,10 +5,14 @@
 library's own downloaders, credentials from the environment. Sources are mixed by `proportion`, `repeat` or
 `choose`, as the library's `Stream`s weigh them.
 
-The order is a function of the seed alone. With `num_canonical_nodes` fixed, the library splits one global
-sample order over the ranks, so the number of processes and nodes does not change which samples make up
-global step N. Caption dropout is drawn from (seed, epoch, sample), not from a rank's random state.
-Checkpoints hold the position in that order: a resumed run continues with the samples an unbroken run saw.
+The order is a function of the seed alone. The library shuffles the samples over `num_canonical_nodes`
+canonical nodes, fixed by the config whatever the real node count, and its `random` batching method deals that
+one global order out to the ranks, sample by sample: at global batch B, step N trains on samples N*B to
+(N+1)*B - 1 of the order, however many processes share them (1 at batch 16 and 2 at batch 8 train on the same
+16). Caption dropout is drawn from (seed, epoch, sample), and each sample carries its `sample_id`, from which
+the model keys its noise (`LatentDiffusion.draws`): not from a rank's random state. Checkpoints hold the
+position in that order as a global sample offset: a resumed run continues with the samples an unbroken run saw,
+on any number of processes at the same global batch.
 
 The examples hold the latents and the text conditioning, so the VAE encoder and the text encoder do not run
 in training; the model still loads them, frozen: sample grids and exports use them.
@@ -68,7 +72,8 @@ class _LatentShards(StreamingDataset):
         if self.caption_dropout:
             epoch = self.next_epoch - 1  # the epoch being iterated (the library advances it as iteration starts)
             dropped = np.random.default_rng((self.shuffle_seed, epoch, sample_id)).random() < self.caption_dropout
-        return to_example(sample, self.unconditional if dropped else None)
+        # the id keys the sample's noise in training (`LatentDiffusion.draws`): the same at any world size
+        return {**to_example(sample, self.unconditional if dropped else None), "sample_id": sample_id}
 
     def lock_files(self) -> list[Path]:
         """The lock files the library made for this dataset in the temporary folder (it never removes them)."""
@@ -76,23 +81,54 @@ class _LatentShards(StreamingDataset):
 
 
 class _ShardLoader(ResumableDataLoader):
-    """A loader whose checkpointed position is the library's global sample offset within the epoch."""
+    """A loader whose checkpointed position is the library's global sample offset within the epoch, with what
+    fixes the order (`order`: seed, sources, global batch, canonical nodes, epoch size), so a resume can tell
+    whether it continues the same order; `inexact_resume` says what to do when it cannot (warn | refuse)."""
 
-    def __init__(self, *args: Any, world_size: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, world_size: int, order: dict, inexact_resume: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.world_size = world_size
+        self.world_size, self.order, self.inexact_resume = world_size, order, inexact_resume
+        self._resumed_at: dict[str, int] | None = None  # where an inexact resume started: positions count from it
+
+    def _samples_done(self, position: dict[str, int]) -> int:
+        global_batch = self.batch_size * self.world_size
+        samples = position["batches_done"] * global_batch
+        resumed = self._resumed_at
+        if resumed is not None and resumed["epoch"] == position["epoch"]:  # batches counted at another batch size
+            samples += resumed["samples"] - resumed["batches_done"] * global_batch
+        return samples
 
     def state_dict(self) -> dict[str, Any]:
         position = self.position()
-        samples = position["batches_done"] * self.batch_size * self.world_size
-        streaming = self.dataset.state_dict(samples, from_beginning=True)
-        return {**position, "streaming": {**streaming, "epoch": position["epoch"]}}
+        streaming = self.dataset.state_dict(self._samples_done(position), from_beginning=True)
+        return {**position, "streaming": {**streaming, "epoch": position["epoch"]}, "order": self.order}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         streaming = dict(state["streaming"])
+        changed = _order_changes(state.get("order"), self.order)
+        if changed:
+            where = f"sample {streaming['sample_in_epoch']} of epoch {state['epoch']}"
+            if self.inexact_resume == "refuse":
+                raise ConfigError(
+                    f"-r: cannot resume the checkpoint's sample order exactly: {changed}. Resume with its settings, "
+                    f"or set data.params.inexact_resume: warn to go on from {where} in the new order"
+                )
+            log.warning("resume is not exact: %s; going on from %s in the new order", changed, where)
+            # the library would take the seed and canonical nodes from the checkpoint: keep the config's
+            streaming.update(shuffle_seed=self.order["seed"], num_canonical_nodes=self.order["num_canonical_nodes"])
+            self._resumed_at = {"epoch": state["epoch"], "samples": streaming["sample_in_epoch"],
+                                "batches_done": state["batches_done"]}  # fmt: skip
         if state["batches_done"] >= len(self):  # saved at the end of an epoch: the next one starts from its beginning
             streaming.update(epoch=state["epoch"] + 1, sample_in_epoch=0)
         self.dataset.load_state_dict(streaming)
+
+
+def _order_changes(saved: dict | None, current: dict) -> str:
+    """What differs between the order a checkpoint was saved in and this run's, in words ('' when the same)."""
+    if saved is None:  # a checkpoint from before the order was recorded: trust it
+        return ""
+    changes = [f"{key} {saved.get(key)} -> {value}" for key, value in current.items() if saved.get(key) != value]
+    return ", ".join(changes)
 
 
 def _check_proportions(sources: list[dict]) -> None:
@@ -121,7 +157,11 @@ class ShardDataModule(pl.LightningDataModule):
     `batch_size` is per process, as everywhere in Lightning: the global batch is `batch_size` x processes.
     `num_canonical_nodes` fixes the library's partition of the sample order: keep it the same across runs
     that should see the same order (resumes on other node counts included). `epoch_size` (samples per epoch)
-    defaults to the weighted size of the sources."""
+    defaults to the weighted size of the sources.
+
+    A resume on any number of processes at the same global batch continues the order exactly. One that cannot
+    (another seed, sources, global batch, canonical nodes or epoch size) says so in one line and goes on from
+    the same sample offset in the new order (`inexact_resume: warn`), or is refused (`refuse`)."""
 
     def __init__(
         self,
@@ -137,8 +177,11 @@ class ShardDataModule(pl.LightningDataModule):
         predownload: int | None = None,
         cache_limit: str | None = None,
         download_timeout: float = 60.0,
+        inexact_resume: str = "warn",
     ) -> None:
         super().__init__()
+        if inexact_resume not in ("warn", "refuse"):
+            raise ConfigError(f"data.params.inexact_resume: got {inexact_resume!r}; valid: warn, refuse")
         if not sources:
             raise ConfigError("data.params.sources: empty; list at least one {path: FOLDER_OR_URI}")
         if not 0.0 <= caption_dropout <= 1.0:
@@ -157,6 +200,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.caption_dropout, self.cache_dir = caption_dropout, Path(cache_dir).expanduser()
         self.num_canonical_nodes, self.epoch_size = num_canonical_nodes, epoch_size
         self.predownload, self.cache_limit, self.download_timeout = predownload, cache_limit, download_timeout
+        self.inexact_resume = inexact_resume
         self.dataset: _LatentShards | None = None
         self.manifests: list[dict] = []
 
@@ -225,6 +269,7 @@ class ShardDataModule(pl.LightningDataModule):
                 shuffle=self.shuffle,
                 shuffle_seed=self.seed,
                 num_canonical_nodes=self.num_canonical_nodes,
+                batching_method="random",  # one global order dealt to the ranks (the library's default, stated)
                 epoch_size=self.epoch_size,
                 predownload=self.predownload or 8 * self.batch_size,  # the library's default, stated
                 shuffle_block_size=max(4_000_000 // self.num_canonical_nodes, 1 << 18),  # likewise
@@ -268,6 +313,19 @@ class ShardDataModule(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is not None:  # the model is built by now
             self._check_fits(trainer.lightning_module)
+        world_size = trainer.world_size if trainer else 1
+        weights = ("name", "proportion", "repeat", "choose")  # not the path: a moved folder is the same source
+        sources = [
+            {**{k: source[k] for k in weights if source.get(k) is not None}, "samples": manifest["count"]}
+            for source, manifest in zip(self.sources, self.manifests)
+        ]
+        order = {
+            "seed": self.seed,
+            "sources": sources,
+            "global batch": self.batch_size * world_size,
+            "num_canonical_nodes": self.num_canonical_nodes,
+            "epoch_size": self.dataset.epoch_size,
+        }
         return _ShardLoader(
             self.dataset,
             batch_size=self.batch_size,
@@ -275,7 +333,9 @@ class ShardDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             position=lambda: trainer_position(trainer),
-            world_size=trainer.world_size if trainer else 1,
+            world_size=world_size,
+            order=order,
+            inexact_resume=self.inexact_resume,
         )
 
     def _check_fits(self, model: pl.LightningModule) -> None:

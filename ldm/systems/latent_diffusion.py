@@ -91,6 +91,7 @@ class LatentDiffusion(pl.LightningModule):
         self.lora = dict(lora) if lora is not None else None
         self.strict_loading = self.lora is None  # a LoRA checkpoint holds the adapters only
         self.run_config: dict | None = None  # the resolved config, set by ldm.training.run and saved in checkpoints
+        self.seed = 0  # the run's seed (ldm.training.run sets it): with the step, it keys per-sample draws
         self.nonfinite_loss, self.skipped_steps, self._skips_in_a_row = nonfinite_loss, 0, 0
         self.stop_reason: str | None = None  # set when the guard stops the run; the checkpoint callback reports it
         self._others: dict[str, Any] = {}  # parts without weights: tokenizer, scheduler
@@ -187,30 +188,43 @@ class LatentDiffusion(pl.LightningModule):
             mean, std = self.encode_posterior(batch["pixel_values"])
         module = getattr(self, self.denoiser_name)
         dtype = next(module.parameters()).dtype
-        latents = diffusion.sample_posterior(mean, std).to(dtype)
+        draws = self.draws(batch)
+        latents = diffusion.sample_posterior(mean, std, draws).to(dtype)
         cond = batch["cond"] if "cond" in batch else self.encode_text(batch["caption"])
         cond = {k: v.to(dtype) for k, v in cond.items()}
         if self.objective.zero_unconditional:
             kept = torch.tensor([bool(c) for c in batch["caption"]], device=latents.device)
             cond = {k: v * kept.reshape(-1, *([1] * (v.ndim - 1))).to(v.dtype) for k, v in cond.items()}
         if self.objective.kind == "edm":
-            return self._edm_loss(module, latents, cond)
+            return self._edm_loss(module, latents, cond, draws)
         if self.alphas_cumprod.device != latents.device:
             self.alphas_cumprod = self.alphas_cumprod.to(latents.device)
         return diffusion.ddpm_loss(
-            as_denoiser(module), latents, cond, self.alphas_cumprod, self.prediction_type, self.snr_gamma
+            as_denoiser(module), latents, cond, self.alphas_cumprod, self.prediction_type, self.snr_gamma, draws
         )
 
-    def _edm_loss(self, module: torch.nn.Module, latents: torch.Tensor, cond: dict) -> torch.Tensor:
-        """EDM's loss, over the patches kept this step when training masked (a draw of the global generator,
-        so a resumed run draws what the unbroken one did)."""
+    def draws(self, batch: dict) -> diffusion.Draws:
+        """Where this step's random numbers come from. A batch with `sample_id`s (shards give them): each
+        sample's from a generator keyed by (seed, step, id), so the same global batch trains the same at any
+        number of processes, and after a resume on another number. Otherwise the global generator, which a
+        resume restores."""
+        ids = batch.get("sample_id")
+        if ids is None:
+            return diffusion.GLOBAL_DRAWS
+        return diffusion.Draws(diffusion.sample_keys(self.seed, self.global_step, ids.tolist()))
+
+    def _edm_loss(
+        self, module: torch.nn.Module, latents: torch.Tensor, cond: dict, draws: diffusion.Draws
+    ) -> torch.Tensor:
+        """EDM's loss, over the patches kept this step when training masked (drawn as the noise is)."""
         objective, keep, patch_size = self.objective, None, 1
         if objective.mask_ratio and self.training:
             patches = module.num_patches(*latents.shape[-2:])
-            keep = diffusion.random_keep(latents.shape[0], patches, objective.mask_ratio, device=latents.device)
+            keep = diffusion.random_keep(latents.shape[0], patches, objective.mask_ratio, device=latents.device,
+                                         draws=draws)  # fmt: skip
             patch_size = module.config.patch_size
         return diffusion.edm_loss(as_denoiser(module), latents, cond, objective.p_mean, objective.p_std,
-                                  objective.sigma_data, keep, patch_size)  # fmt: skip
+                                  objective.sigma_data, keep, patch_size, draws)  # fmt: skip
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         """Guard against NaN/inf losses, on every rank at once: skip the step's update, or stop the run

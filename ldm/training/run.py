@@ -15,6 +15,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from ldm.config import ConfigError, Sources, instantiate, load_config, rejected, to_plain
@@ -28,7 +29,7 @@ from ldm.training.launch import agree_on_run_dir
 from ldm.utils.atomic import verify
 from ldm.utils.run_folder import RUN_DIR_ENV
 from ldm.weights.checkpoint import unpickled_object
-from ldm.weights.formats import Format, detect
+from ldm.weights.formats import CHECKPOINTS, Format, detect
 
 log = logging.getLogger("ldm")
 
@@ -65,7 +66,7 @@ def find_resume(resume: str, logdir: Path, name: str | None) -> Resume | None:
         log.info("-r auto: no run named %r with an intact checkpoint in %s; starting a new run", name, logdir)
         return None
     path = Path(resume)
-    if detect(path) in (Format.FILE, Format.COLOSSAL):
+    if detect(path) in CHECKPOINTS:
         problem = verify(path)
         if problem:
             raise ConfigError(f"-r {resume}: {problem}; -r auto -n NAME picks the newest intact checkpoint instead")
@@ -125,6 +126,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
     strategy = trainer_kwargs.get("strategy")
     if isinstance(strategy, dict):
         trainer_kwargs["strategy"] = instantiate(strategy, "lightning.trainer.strategy", REJECTIONS)
+    elif strategy == "fsdp":  # FSDP2 through ModelParallelStrategy, which also runs on CPUs (Lightning's fsdp does not)
+        from ldm.training.strategies.fsdp import FSDPStrategy
+
+        trainer_kwargs["strategy"] = FSDPStrategy()
     trainer_kwargs.setdefault("precision", auto_precision())
     trainer_kwargs.setdefault("use_distributed_sampler", not uses_our_sampler)
     checkpoint_params = to_plain((lightning_cfg.get("modelcheckpoint") or {}).get("params") or {})
@@ -218,12 +223,18 @@ def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> C
     pl.seed_everything(seed, workers=True)
     model = instantiate(cfg.model, "model", REJECTIONS)
     model.run_config = to_plain(cfg)
+    model.seed = seed
     datamodule = instantiate(cfg.data, "data", REJECTIONS)
     trainer = build_trainer(cfg, run_dir, uses_our_sampler=isinstance(datamodule, DataModule))
     if resumed and detect(resumed.ckpt) is Format.COLOSSAL and not hasattr(trainer.strategy, "booster"):
         raise ConfigError(
             f"-r {resumed.ckpt}: a ColossalAIStrategy checkpoint folder; resume it with that strategy "
             "(lightning.trainer.strategy), or export it with scripts/export_diffusers.py and fine-tune from there"
+        )
+    if resumed and detect(resumed.ckpt) is Format.SHARDED and not isinstance(trainer.strategy, ModelParallelStrategy):
+        raise ConfigError(
+            f"-r {resumed.ckpt}: a folder of FSDP shards; resume it with lightning.trainer.strategy: fsdp, or export "
+            "it with scripts/export_diffusers.py and fine-tune from there"
         )
     if trainer.is_global_zero:
         OmegaConf.save(cfg, run_dir / "configs" / "project.yaml")

@@ -1,4 +1,5 @@
-"""Our checkpoints on disk: a file, or a ColossalAIStrategy folder; read without running code from them.
+"""Our checkpoints on disk: a file, a ColossalAIStrategy folder, or a folder of FSDP shards; read without running
+code from them.
 
 A checkpoint holds the weights (`state_dict`, and `ema_state_dict` with EMA), Lightning's training
 state and an `ldm` entry: the resolved config and each part's description, so that it rebuilds
@@ -13,18 +14,21 @@ from typing import Any
 
 import torch
 
-from ldm.weights.formats import COLOSSAL_FILES, Format, detect
+from ldm.weights.formats import COLOSSAL_FILES, SHARDED_FILES, Format, detect
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """Load one of our checkpoints (a file, or a ColossalAIStrategy folder) without executing code from it.
+    """Load one of our checkpoints (a file, a ColossalAIStrategy folder, a folder of FSDP shards) without executing
+    code from it.
 
-    A folder is consolidated: its weight shards become one `state_dict`, the fp32 master weights
-    (if saved) replacing the half-precision working copies."""
+    A folder is consolidated: its weight shards become one `state_dict` (for Colossal-AI, the fp32 master
+    weights, if saved, replacing the half-precision working copies)."""
     path = Path(path)
     kind = detect(path)
     if kind is Format.COLOSSAL:
         return _load_folder(path)
+    if kind is Format.SHARDED:
+        return _load_shards(path)
     if kind is Format.MISSING:
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if kind is not Format.FILE:
@@ -61,6 +65,30 @@ def unpickled_object(err: BaseException) -> str:
     """What a refused weights-only load would have had to unpickle, from torch's error message."""
     found = re.search(r"GLOBAL ([\w.]+)", " ".join(str(err).split()))
     return found[1] if found else "arbitrary objects"
+
+
+def _load_shards(path: Path) -> dict:
+    """A folder `torch.distributed.checkpoint` wrote (FSDPStrategy, `state_dict: sharded`) as one checkpoint: the
+    weights gathered from every process's shard in this one process (no process group), the optimizer states
+    left on disk."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(path))
+    prefix = "state_dict."
+    weights = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not weights:
+        raise ValueError(f"{path}: a folder of shards without weights (no state_dict.* entries in its index)")
+    load(weights, storage_reader=reader, no_dist=True)
+    ckpt = load_pickle(path / SHARDED_FILES["trainer"])
+    if not isinstance(ckpt, dict) or "ldm" not in ckpt:
+        raise ValueError(f"{path}: not an ldm checkpoint (no 'ldm' entry); was it made by main.py?")
+    ckpt["state_dict"] = {key.removeprefix(prefix): value for key, value in weights.items()}
+    return ckpt
 
 
 def _load_folder(path: Path) -> dict:

@@ -18,7 +18,7 @@ from ldm.components.lora import add_lora, is_lora_key, merged
 from ldm.config import ConfigError
 from ldm.weights.checkpoint import load_checkpoint, load_pickle
 from ldm.weights.extras import attach, read_extras
-from ldm.weights.formats import PICKLE_SUFFIXES, Format, detect, is_our_checkpoint
+from ldm.weights.formats import CHECKPOINT_FOLDERS, CHECKPOINTS, PICKLE_SUFFIXES, Format, detect, is_our_checkpoint
 from ldm.weights.single_file import extras_from_file, load_single_file, split_pickle
 from ldm.weights.text_model import as_module_names
 
@@ -45,8 +45,8 @@ def read_parts(
         except ConfigError as err:
             raise ValueError(str(err)) from None
         return attach(parts, read_extras(src))
-    if kind is Format.COLOSSAL:
-        log.info("%s: %s: an ldm checkpoint folder", where, src)
+    if kind in CHECKPOINT_FOLDERS:
+        log.info("%s: %s: %s", where, src, kind.value)
         return parts_from_checkpoint(load_checkpoint(src), ema)
     if kind is not Format.FILE:
         raise FileNotFoundError(f"no such file or folder: {src}" if kind is Format.MISSING else f"{src}: {kind.value}")
@@ -74,7 +74,7 @@ def load_pretrained(
     """Every part, as a config describes it: a module passes through, a spec is built, and a missing one
     comes from `pretrained`, in any format `read_parts` reads; `pretrained_ema` and `pretrained_family`
     apply to single files and our checkpoints."""
-    if pretrained is None or detect(pretrained) not in (Format.FILE, Format.COLOSSAL):
+    if pretrained is None or detect(pretrained) not in CHECKPOINTS:
         if pretrained_ema or pretrained_family:
             option = "pretrained_ema" if pretrained_ema else "pretrained_family"
             raise ConfigError(

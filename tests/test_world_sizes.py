@@ -1,0 +1,176 @@
+"""The same global batches at any number of processes: 1 process at batch 16 and 2 at batch 8 (DDP over gloo,
+fp32) train on the same samples at every step, with the same noise, to the same weights; a run killed mid-epoch
+on one world size resumes on the other exactly; a resume that cannot be exact says so, or is refused."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+
+from main import main
+from tests.conftest import REPO
+from tests.helpers import run_script
+from tests.test_faults import clean_env
+from tests.test_shards import args, clean_up_after_killed_runs, recorded  # noqa: F401 (an autouse fixture)
+
+GLOBAL_BATCH = 16  # 40 samples an epoch: 2 steps an epoch, 4 steps are 2 epochs
+
+
+# Checkpoint every step; every rank is killed with kill -9 at the end of step 4 (a lost node), so the last
+# checkpoint is step 3's: one batch into the second epoch.
+KILLED = ["lightning.modelcheckpoint.params.every_n_train_steps=1",
+          "lightning.callbacks.kill.target=tests.helpers.SendSignal",
+          "lightning.callbacks.kill.params={step: 4, signal: SIGKILL, rank: null}"]  # fmt: skip
+
+
+def train(tiny_sd, shards, tmp: Path, world: int, *extra: str, rec: str = "rec", code: int = 0):
+    """Train up to step 4 at the global batch on `world` processes, logging to `tmp/logs`; return the run folder
+    and, per step, the samples of every rank: their keys and whether their caption was dropped, sorted by key."""
+    (tmp / rec).mkdir(parents=True)
+    argv = args(tiny_sd, shards, tmp / "logs", tmp / rec, f"data.params.batch_size={GLOBAL_BATCH // world}",
+                "lightning.trainer.max_steps=4", *extra)  # fmt: skip
+    if world > 1:
+        argv += [f"lightning.trainer.devices={world}"]
+        if not any(arg.startswith("lightning.trainer.strategy") for arg in extra):
+            argv += ["lightning.trainer.strategy=ddp"]
+    if world == 1 and code in (0, 2):
+        assert main(argv) == code
+    else:  # Lightning starts the other ranks by running this command again; kill -9 must not hit pytest
+        done = subprocess.run([sys.executable, "main.py", *argv], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env=clean_env())  # fmt: skip
+        assert done.returncode == code, done.stderr[-3000:]
+    (run_dir,) = (tmp / "logs").iterdir()
+    return run_dir, batches(tmp / rec, world) if code != 2 else {}
+
+
+def batches(rec: Path, world: int) -> dict[int, dict]:
+    """Per step, the samples of every rank's batch: key -> caption dropped, sorted by key."""
+    per_rank = [recorded(rec, rank) for rank in range(world)]
+    steps = {}
+    for step in per_rank[0]:
+        samples = [(k, d) for rows in per_rank for k, d in zip(rows[step]["keys"], rows[step]["dropped"])]
+        steps[step] = dict(sorted(samples))
+    return steps
+
+
+def unet_weights(run_dir: Path, checkpoint: str) -> dict[str, torch.Tensor]:
+    state = torch.load(run_dir / "checkpoints" / checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("unet.")}
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_sd, shards, tmp_path_factory):
+    """The reference: 4 steps unbroken on one process at batch 16, checkpointed every step."""
+    return train(tiny_sd, shards, tmp_path_factory.mktemp("one"), 1, KILLED[0])
+
+
+def test_two_processes_train_on_the_same_global_batches_to_the_same_weights(one_process, killed):
+    run_dir, steps = killed(2)
+    reference_dir, reference = one_process
+    assert sorted(steps) == [1, 2, 3, 4] and all(len(samples) == GLOBAL_BATCH for samples in steps.values())
+    assert steps == reference, "each step: the same 16 samples, the same captions dropped"
+    assert steps[1] != steps[3], "the second epoch is shuffled anew"
+    assert_same_weights(run_dir, reference_dir, "step-000003.ckpt")  # its last checkpoint before the kill
+
+
+def assert_same_weights(run_dir: Path, reference_dir: Path, checkpoint: str = "last.ckpt") -> None:
+    ours, theirs = unet_weights(run_dir, checkpoint), unet_weights(reference_dir, checkpoint)
+    assert ours.keys() == theirs.keys()
+    for name, weight in ours.items():
+        torch.testing.assert_close(weight, theirs[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def killed(tiny_sd, shards, one_process, tmp_path_factory):
+    """world -> (the run folder, its batches) of a run on that many processes killed after step 4 (made once)."""
+    made = {}
+
+    def make(world: int) -> tuple[Path, dict[int, dict]]:
+        if world not in made:
+            tmp = tmp_path_factory.mktemp(f"killed-on-{world}")
+            made[world] = train(tiny_sd, shards, tmp, world, *KILLED, code=-signal.SIGKILL)
+            assert (made[world][0] / "checkpoints" / "step-000003.ckpt").exists()
+        return made[world]
+
+    return make
+
+
+@pytest.mark.parametrize(("killed_on", "resumed_on"), [(2, 1), (1, 2)])
+def test_a_run_killed_mid_epoch_resumes_exactly_on_another_number_of_processes(
+    tiny_sd, shards, one_process, killed, tmp_path, killed_on, resumed_on
+):
+    reference_dir, reference = one_process
+    run_dir, before = killed(killed_on)
+    assert before == reference, "steps 1 to 4 as the unbroken run"
+    shutil.copytree(run_dir.parent, tmp_path / "logs")
+    run_dir, after = train(tiny_sd, shards, tmp_path, resumed_on, "-r", "auto", rec="resumed")
+    assert after == {4: reference[4]}, "step 4 again, from step 3's checkpoint: the unbroken run's samples"
+    assert_same_weights(run_dir, reference_dir)
+
+
+def test_a_resume_with_another_seed_says_it_is_not_exact_and_goes_on(tiny_sd, shards, killed, tmp_path):
+    shutil.copytree(killed(1)[0].parent, tmp_path / "logs")
+    run_dir, after = train(tiny_sd, shards, tmp_path, 1, "-r", "auto", "data.params.seed=18", rec="resumed")
+    log = (run_dir / "train.log").read_text()
+    assert "resume is not exact: seed 17 -> 18; going on from sample 16 of epoch 1 in the new order" in log
+    assert sorted(after) == [4] and len(after[4]) == GLOBAL_BATCH
+
+
+def test_an_inexact_resume_can_be_refused(tiny_sd, shards, killed, tmp_path, capsys):
+    shutil.copytree(killed(1)[0].parent, tmp_path / "logs")
+    train(tiny_sd, shards, tmp_path, 1, "-r", "auto", "data.params.batch_size=8", "data.params.inexact_resume=refuse",
+          rec="resumed", code=2)  # fmt: skip
+    err = capsys.readouterr().err
+    assert "cannot resume the checkpoint's sample order exactly: global batch 16 -> 8" in err
+    assert "data.params.inexact_resume: warn" in err
+
+
+def test_fsdp_shards_the_unet_over_two_processes_saves_both_ways_resumes_exactly_and_exports(
+    tiny_sd, shards, one_process, tmp_path
+):
+    """FSDP2 on 2 processes, killed after step 4: sharded checkpoints (a folder per step); resumed from step 3's
+    folder writing full ones (a file), to the unbroken single process's samples and weights; both export."""
+    reference_dir, reference = one_process
+    fsdp = ["lightning.trainer.strategy.target=ldm.training.strategies.fsdp.FSDPStrategy",
+            "lightning.callbacks.shards.target=tests.helpers.RecordShards",
+            f"lightning.callbacks.shards.params.folder={tmp_path}"]  # fmt: skip
+    sharded = "lightning.trainer.strategy.params.state_dict=sharded"
+    run_dir, before = train(tiny_sd, shards, tmp_path, 2, *fsdp, sharded, *KILLED, code=-signal.SIGKILL)
+    assert before == reference, "each step: the same 16 samples as one process at batch 16"
+    held = [json.loads((tmp_path / f"shards-{rank}.json").read_text()) for rank in (0, 1)]
+    total = sum(w.numel() for w in unet_weights(reference_dir, "last.ckpt").values())
+    assert held[0]["total"] == held[1]["total"] == total == held[0]["local"] + held[1]["local"]
+    assert abs(held[0]["local"] - held[1]["local"]) < 0.05 * total, f"each process holds about half: {held}"
+    assert "fsdp: unet sharded over 2 processes" in (run_dir / "train.log").read_text()
+    folder = run_dir / "checkpoints" / "step-000003.ckpt"
+    assert folder.is_dir() and len(list(folder.glob("*.distcp"))) == 2, "one shard per process"
+
+    _, after = train(tiny_sd, shards, tmp_path, 2, *fsdp, "-r", "auto", rec="resumed")
+    assert after == {4: reference[4]}
+    assert (run_dir / "checkpoints" / "last.ckpt").resolve().is_file(), "state_dict: full (the default) is a file"
+    assert_same_weights(run_dir, reference_dir)
+    for checkpoint, step in ((folder, 3), (run_dir / "checkpoints" / "last.ckpt", 4)):
+        out = tmp_path / f"export-{step}"
+        run_script("export_diffusers.py", "--ckpt", checkpoint, "--out", out / "pipe")
+        run_script("export_single_file.py", "--ckpt", checkpoint, "--out", out / "model.safetensors")
+        exported = UNet2DConditionModel.from_pretrained(out / "pipe" / "unet").state_dict()
+        expected = unet_weights(reference_dir, f"step-{step:06d}.ckpt")
+        for name, weight in expected.items():
+            torch.testing.assert_close(exported[name.removeprefix("unet.")], weight, rtol=0, atol=1e-5, msg=name)
+        assert (out / "model.safetensors").stat().st_size > 0
+
+
+def test_fsdp_settings_are_checked():
+    from ldm.config import ConfigError
+    from ldm.training.strategies.fsdp import FSDPStrategy
+
+    with pytest.raises(ConfigError, match="mixed_precision: got 'fp8'; valid: fp32, bf16, fp16"):
+        FSDPStrategy(mixed_precision="fp8")
+    with pytest.raises(ConfigError, match="state_dict: got 'both'; valid: full, sharded"):
+        FSDPStrategy(state_dict="both")
