@@ -5,6 +5,7 @@ on one world size resumes on the other exactly; a resume that cannot be exact sa
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,12 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
+from ldm.training.strategies.fsdp import CPU_CAPABLE
 from main import main
 from tests.conftest import REPO
 from tests.helpers import run_script
 from tests.test_faults import clean_env
-from tests.test_shards import args, clean_up_after_killed_runs, recorded  # noqa: F401 (an autouse fixture)
+from tests.test_shards import TINY, args, clean_up_after_killed_runs, recorded  # noqa: F401 (an autouse fixture)
 
 GLOBAL_BATCH = 16  # 40 samples an epoch: 2 steps an epoch, 4 steps are 2 epochs
 
@@ -131,6 +133,7 @@ def test_an_inexact_resume_can_be_refused(tiny_sd, shards, killed, tmp_path, cap
     assert "data.params.inexact_resume: warn" in err
 
 
+@pytest.mark.skipif(not CPU_CAPABLE, reason="FSDP2 on a CPU needs torch >= 2.6 (the Colossal-AI stack has 2.5.1)")
 def test_fsdp_shards_the_unet_over_two_processes_saves_both_ways_resumes_exactly_and_exports(
     tiny_sd, shards, one_process, tmp_path
 ):
@@ -174,3 +177,77 @@ def test_fsdp_settings_are_checked():
         FSDPStrategy(mixed_precision="fp8")
     with pytest.raises(ConfigError, match="state_dict: got 'both'; valid: full, sharded"):
         FSDPStrategy(state_dict="both")
+
+
+LAUNCHERS = {  # what torchrun and SLURM's srun set in each process they start (on one node here), beside RANK
+    "torchrun": {"TORCHELASTIC_RUN_ID": "job", "GROUP_RANK": "0", "LOCAL_RANK": "{rank}", "LOCAL_WORLD_SIZE": "2"},
+    "slurm": {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "{rank}", "SLURM_LOCALID": "{rank}",
+              "SLURM_NODEID": "0", "SLURM_JOB_NAME": "pretrain", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "7"},
+}  # fmt: skip
+
+
+# srun's variables are Lightning's to read (tests/test_launch.py checks ours under both): -m slow runs it here too
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("slurm", marks=pytest.mark.slow)])
+def test_processes_started_by_torchrun_or_srun_train_as_one_process_does(tiny_sd, shards, one_process, tmp_path,
+                                                                        launcher):  # fmt: skip
+    reference_dir, reference = one_process
+    (tmp_path / "rec").mkdir()
+    argv = args(tiny_sd, shards, tmp_path / "logs", tmp_path / "rec", "data.params.batch_size=8", KILLED[0],
+                "lightning.trainer.max_steps=4", "lightning.trainer.strategy=ddp", "lightning.trainer.devices=2",
+                "lightning.trainer.num_nodes=1")  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
+        env["WORLD_SIZE"] = "2"
+        env.update({k: v.format(rank=rank) for k, v in LAUNCHERS[launcher].items()})
+        procs.append(subprocess.Popen([sys.executable, "main.py", *argv], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    assert batches(tmp_path / "rec", 2) == reference
+    assert_same_weights(run_dir, reference_dir)
+
+
+def test_the_run_log_gives_one_batchs_flops_and_the_throughput_per_process(tiny_sd, shards, one_process):
+    import re
+
+    from omegaconf import OmegaConf
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ldm.data.shard_format import read_manifest
+
+    run_dir, _ = one_process
+    log = (run_dir / "train.log").read_text()
+    counted = float(re.search(r"FLOPs of one training batch of 16 on one process \(counted once\): (\S+)", log)[1])
+    summary = re.search(r"throughput: .* images/s \((\S+) per process\); (\S+) TFLOP/s per process (.*)", log)
+    assert summary, log[-2000:]
+    assert "(no dense float32 peak known for cpu: no MFU)" in summary[3]
+    assert float(summary[2]) == pytest.approx(float(summary[1]) * counted / 16 / 1e12, rel=0.01)
+    # the same count, made here: the UNet's forward and backward at batch 16 (the encoders do not run)
+    manifest = read_manifest(shards["a"], "test")
+    unet = UNet2DConditionModel(**OmegaConf.to_container(OmegaConf.load(TINY).model.params.unet.config))
+    x = torch.randn(16, *manifest["latent_shape"])
+    cond = torch.randn(16, *manifest["cond_shapes"]["encoder_hidden_states"])
+    with FlopCounterMode(display=False) as here:
+        unet(x, torch.randint(0, 1000, (16,)), cond).sample.square().mean().backward()
+    assert counted == pytest.approx(here.get_total_flops(), rel=0.02)
+
+
+def test_mfu_is_the_achieved_flops_per_process_over_the_dense_peak():
+    from types import SimpleNamespace
+
+    from ldm.training.callbacks.throughput import Throughput, compute_dtype
+
+    assert compute_dtype("bf16-mixed") == compute_dtype("bf16-true") == torch.bfloat16
+    assert compute_dtype("16-mixed") == torch.float16 and compute_dtype("32-true") == torch.float32
+    meter = Throughput()
+    meter._images, meter.flops_per_image, meter.peak = 2000, 3e12, 989e12  # 2,000 images in 10 s on 2 processes
+    rates = meter._rates(SimpleNamespace(world_size=2), steps=5, elapsed=10.0)
+    assert rates["perf/images_per_s"] == 200 and rates["perf/images_per_s_per_process"] == 100
+    assert rates["perf/tflops_per_s_per_process"] == pytest.approx(300)
+    assert rates["perf/mfu"] == pytest.approx(300 / 989)

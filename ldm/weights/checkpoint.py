@@ -83,7 +83,7 @@ def _load_shards(path: Path) -> dict:
     }
     if not weights:
         raise ValueError(f"{path}: a folder of shards without weights (no state_dict.* entries in its index)")
-    load(weights, storage_reader=reader, no_dist=True)
+    load(weights, storage_reader=reader)  # gathers in this process alone when no process group is up
     ckpt = load_pickle(path / SHARDED_FILES["trainer"])
     if not isinstance(ckpt, dict) or "ldm" not in ckpt:
         raise ValueError(f"{path}: not an ldm checkpoint (no 'ldm' entry); was it made by main.py?")

@@ -27,6 +27,8 @@ from ldm.config import ConfigError
 log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# FSDP2 runs on CPUs (over gloo) from torch 2.6; earlier it needs CUDA streams
+CPU_CAPABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -62,12 +64,20 @@ class FSDPStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
+        if self.root_device.type == "cpu" and not CPU_CAPABLE:
+            raise ConfigError(
+                f"lightning.trainer.strategy: fsdp on a CPU needs torch >= 2.6 (FSDP2 in torch {torch.__version__} "
+                "runs on CUDA only); use strategy: ddp here, or this strategy on GPUs"
+            )
         self._shard(self.lightning_module)
         super().setup(trainer)
 
     def _shard(self, system: torch.nn.Module) -> None:
         """Shard each trained part: its blocks, then the part (FSDP2 groups parameters per call)."""
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        try:
+            from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        except ImportError:  # torch < 2.6 (the Colossal-AI stack) has FSDP2 in its composable API
+            from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if getattr(system, "lora", None) is not None:
             raise ConfigError(
