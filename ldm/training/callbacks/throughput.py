@@ -2,7 +2,10 @@
 utilisation (MFU), logged and summarised at the end.
 
 The FLOPs of one training batch (forward, backward and the optimizer step, on one process) are counted once,
-on the first batch, with `torch.utils.flop_counter.FlopCounterMode`; that batch is a warm-up batch, not timed.
+on the first batch of a new run, with `torch.utils.flop_counter.FlopCounterMode`; that batch is a warm-up batch,
+not timed. The count is kept in checkpoints: a resumed run does not count again, because a step run under the
+counter can round differently in the last bit (its ops go through the counter's dispatch), and a resume must
+repeat the unbroken run's losses exactly.
 MFU is those FLOPs per image times the images each process trains per second, over the device's dense peak at
 the run's precision (Lightning's table, `get_available_flops`); where no peak is known (a CPU, an unlisted
 GPU) the achieved TFLOP/s are logged without it. Under Colossal-AI the count is not made (its Gemini hooks on a
@@ -57,6 +60,8 @@ class Throughput(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
         if not self.count_flops or self.flops_per_image is not None or self._counter is not None:
             return
+        if trainer.global_step > 0:  # resumed: counted by the run that started it (see the module docstring)
+            return
         if hasattr(trainer.strategy, "booster"):  # Colossal-AI: its GPU hooks are not checked under the counter
             self.count_flops = False
             return
@@ -80,7 +85,6 @@ class Throughput(pl.Callback):
         if self._counter is not None:
             flops = self._stop_counting()
             self.flops_per_image = flops / batch_size if flops else None
-            self.peak = dense_peak_flops(pl_module.device, compute_dtype(trainer.precision))
             if trainer.is_global_zero and flops:
                 log.info("FLOPs of one training batch of %d on one process (counted once): %.4g", batch_size, flops)
         step = trainer.global_step
@@ -109,6 +113,16 @@ class Throughput(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start, self._start_step = None, trainer.global_step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_step = trainer.global_step  # after a resume: the restored step
+        self.peak = dense_peak_flops(pl_module.device, compute_dtype(trainer.precision))
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"flops_per_image": self.flops_per_image}
+
+    def load_state_dict(self, state_dict: dict[str, float | None]) -> None:
+        self.flops_per_image = state_dict.get("flops_per_image")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_counting()
