@@ -205,8 +205,12 @@ def test_processes_started_by_torchrun_or_srun_train_as_one_process_does(tiny_sd
         env.update({k: v.format(rank=rank) for k, v in LAUNCHERS[launcher].items()})
         procs.append(subprocess.Popen([sys.executable, "main.py", *argv], cwd=REPO, env=env, text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
+    try:
+        errors = [proc.communicate(timeout=300)[1] for proc in procs]
+    finally:  # a rank that hangs (a deadlock) must not outlive the test
+        for proc in procs:
+            proc.kill()
+    for proc, err in zip(procs, errors):
         assert proc.returncode == 0, err[-3000:]
     (run_dir,) = (tmp_path / "logs").iterdir()
     assert batches(tmp_path / "rec", 2) == reference
