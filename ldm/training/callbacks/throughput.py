@@ -111,11 +111,8 @@ class Throughput(pl.Callback):
                 rates["perf/mfu"] = achieved / self.peak
         return rates
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start, self._start_step = None, trainer.global_step
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start_step = trainer.global_step  # after a resume: the restored step
+        self._start, self._start_step = None, trainer.global_step  # after a resume: the restored step
         self.peak = dense_peak_flops(pl_module.device, compute_dtype(trainer.precision))
 
     def state_dict(self) -> dict[str, float | None]:
