@@ -42,6 +42,6 @@ setup(
         # Precomputed shards, streamed and mixed (README, "Pretrain from scratch"). streaming imports torchvision,
         # so torch needs its matching torchvision (torch 2.14.1 + torchvision 0.29.1, or 2.5.1 + 0.20.1).
         "pretrain": PRETRAIN,
-        "dev": ["pytest>=8", "ruff>=0.6", *PRETRAIN],  # the tests train from shards too
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "ruff>=0.6", *PRETRAIN],  # the tests train from shards too
     },
 )

@@ -1,13 +1,87 @@
 """Test helpers: main.py arguments for a tiny fine-tune, and plug-ins named by `target` in configs."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-SD_FOLDER = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "sd-folder.yaml"
+REPO = Path(__file__).resolve().parents[1]
+SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
+HUNG = 300  # seconds after which a test's command counts as hung (every one here takes well under a minute)
+
+
+def clean_env() -> dict:
+    """This environment without the variables an earlier in-process distributed run may have left, which
+    would make Lightning in a child process believe it was launched as one rank of a job."""
+    leaked = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LDM_RUN_DIR")
+    return {k: v for k, v in os.environ.items() if k not in leaked}
+
+
+def run_together(commands: list[list[str]], envs: list[dict] | None = None, timeout: float = HUNG,
+                 cwd: Path = REPO) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    """Run `commands` at once (the ranks of one job), each in a process group of its own with whatever it
+    starts (Lightning's other ranks, data workers), and wait for all. Output goes to files, so a rank that
+    writes a lot cannot block on a full pipe. A job still running after `timeout` seconds is a hang: every
+    group is killed and the test fails, naming the command, with the end of its stderr. No process of the job
+    outlives the call, however it ends (a pytest-timeout interrupt included)."""
+    envs = envs or [clean_env()] * len(commands)
+    with tempfile.TemporaryDirectory() as logs:
+        outs = [(Path(logs) / f"{i}.out", Path(logs) / f"{i}.err") for i in range(len(commands))]
+        procs = []
+        try:
+            for command, env, (out, err) in zip(commands, envs, outs):
+                with out.open("w") as stdout, err.open("w") as stderr:
+                    procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+                                                  text=True, start_new_session=True))  # fmt: skip
+            deadline = time.monotonic() + timeout
+            for proc, command, (_, err) in zip(procs, commands, outs):
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(
+                        f"hung: `{' '.join(map(str, command))[:300]}` still ran after {timeout:g} s and was killed "
+                        f"with its process group; its stderr ends:\n{err.read_text()[-3000:]}"
+                    ) from None
+            return [subprocess.CompletedProcess(command, proc.returncode, out.read_text(), err.read_text())
+                    for proc, command, (out, err) in zip(procs, commands, outs)]  # fmt: skip
+        finally:  # what is left of a group a few seconds after its command ended (a rank that hangs) is killed;
+            # a clean exit leaves only helpers finishing (the resource tracker freeing shared memory)
+            grace = time.monotonic() + 10
+            for proc in procs:
+                while proc.poll() is not None and _group_alive(proc.pid) and time.monotonic() < grace:
+                    time.sleep(0.1)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):  # the group is gone already
+                    pass
+                proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def run_command(command: list[str], env: dict | None = None, timeout: float = HUNG,
+                cwd: Path = REPO) -> subprocess.CompletedProcess:  # fmt: skip
+    """`run_together` for one command."""
+    return run_together([command], [env or clean_env()], timeout, cwd)[0]
+
+
+def run_main(*argv: str, env: dict | None = None, timeout: float = HUNG) -> subprocess.CompletedProcess:
+    """main.py in a new process (where a kill -9 cannot hit pytest, and Lightning can start other ranks)."""
+    return run_command([sys.executable, "main.py", *map(str, argv)], env, timeout)
 
 
 def finetune_args(tiny_sd, images, logdir, *extra) -> list[str]:
@@ -115,18 +189,18 @@ class RecordLosses(pl.Callback):
 
 class SendSignal(pl.Callback):
     """Send `signal` to this process at the end of step `step` (on rank `rank` only, or every rank when it is
-    None: a lost node); each rank writes `RANK.done` into `done_dir` when its fit ends, so a test can see that
-    every rank got out."""
+    None: a lost node), or to its whole process group with `group` (a cancelled job: its helper processes
+    too; only in a process that `run_main` started, in a group of its own); each rank writes `RANK.done` into
+    `done_dir` when its fit ends, so a test can see that every rank got out."""
 
-    def __init__(self, step: int, signal: str, rank: int | None = 0, done_dir: str | None = None) -> None:
-        self.step, self.signal, self.rank, self.done_dir = step, signal, rank, done_dir
+    def __init__(self, step: int, signal: str, rank: int | None = 0, done_dir: str | None = None,
+                 group: bool = False) -> None:  # fmt: skip
+        self.step, self.signal, self.rank, self.done_dir, self.group = step, signal, rank, done_dir, group
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        import os
-        import signal
-
         if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
-            os.kill(os.getpid(), getattr(signal, self.signal))
+            sig = getattr(signal, self.signal)
+            os.killpg(os.getpgrp(), sig) if self.group else os.kill(os.getpid(), sig)
 
     def teardown(self, trainer, pl_module, stage) -> None:
         if self.done_dir:

@@ -4,11 +4,12 @@ Once per CI run: in the default stack, not again in the Colossal-AI one (the sam
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_command
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("colossalai") is not None, reason="benchmark smoke runs in the default stack only"
@@ -19,10 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 def smoke(name: str, tmp_path: Path) -> tuple[dict, str]:
     """Run `benchmarks/NAME --smoke`; return its JSON result and its last line (the headline)."""
     out = tmp_path / f"{name}.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / name), "--smoke", "--json", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = run_command([sys.executable, str(REPO / "benchmarks" / name), "--smoke", "--json", str(out)],
+                       cwd=tmp_path, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     result = json.loads(out.read_text())

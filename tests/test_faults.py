@@ -6,7 +6,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from ldm.utils.atomic import verify
 from ldm.weights.checkpoint import load_checkpoint
 from main import main
-from tests.helpers import finetune_args
+from tests.helpers import finetune_args, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 EVERY_2 = ("lightning.modelcheckpoint.params.every_n_train_steps=2", "lightning.callbacks.image_logger=null")
@@ -35,13 +34,6 @@ def record(path: Path, callback: str = "RecordLosses", **params) -> list[str]:
 def losses(path: Path) -> dict[int, float]:
     """Step -> loss; a step recorded again (after a resume) keeps its last value."""
     return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
-
-
-def clean_env() -> dict:
-    """This environment without the variables an earlier in-process distributed run may have left, which
-    would make Lightning in a child process believe it was launched as one rank of a job."""
-    leaked = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LDM_RUN_DIR")
-    return {k: v for k, v in os.environ.items() if k not in leaked}
 
 
 def steps_on_disk(run_dir: Path) -> list[str]:
@@ -169,9 +161,7 @@ def test_kill_9_while_saving_then_resume_matches_an_unbroken_run(unbroken, tiny_
     logdir, rec = tmp_path / "logs", tmp_path / "l"
     killed = args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=8", *record(rec),
                   *record(rec, "KillDuringSave", step=6))  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "main.py", *killed], cwd=REPO, capture_output=True, text=True, env=clean_env()
-    )
+    done = run_main(*killed)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     (run_dir,) = logdir.iterdir()
     assert "step-000006.ckpt.partial" in steps_on_disk(run_dir), "killed in the middle of writing step 6"
@@ -189,9 +179,7 @@ def test_two_ranks_both_save_and_exit_when_only_rank_0_is_signalled(tiny_sd, ima
     argv = args(tiny_sd, image_folder, logdir, "lightning.trainer.max_steps=20", "lightning.trainer.strategy=ddp",
                 "lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2", "lightning.callbacks.ema=null",
                 *record(tmp_path, "SendSignal", step=3, signal="SIGTERM", rank=0, done_dir=done_dir))  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "main.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=300, env=clean_env()
-    )
+    done = run_main(*argv)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
     assert done.stderr.count("stopped by SIGTERM; saved") == 2, "rank 1 was not signalled, but stops and says why"
     assert sorted(p.name for p in done_dir.iterdir()) == ["0.done", "1.done"]

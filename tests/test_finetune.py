@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from ldm.config import ConfigError
 from ldm.weights.checkpoint import load_checkpoint
 from main import main
-from tests.helpers import finetune_args, run_script, train_once
+from tests.helpers import finetune_args, run_command, run_script, train_once
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,6 @@ print("export ok")
 def test_export_loads_the_same_under_transformers_4_and_5(run, tmp_path):
     """The layout both read: `text_model.`-prefixed text encoder weights, slow and fast tokenizer files.
     Where the other supported stack is installed too (CI's second run), each side reads the other's export."""
-    import subprocess
     import sys
 
     from ldm.export import export_pipeline
@@ -110,18 +109,18 @@ def test_export_loads_the_same_under_transformers_4_and_5(run, tmp_path):
     here = export_pipeline(ckpt, tmp_path / "here")
     assert all(k.startswith("text_model.") for k in load_file(here / "text_encoder" / "model.safetensors"))
     assert {"vocab.json", "merges.txt", "tokenizer.json"} <= {p.name for p in (here / "tokenizer").iterdir()}
-    subprocess.run([sys.executable, "-c", CHECK_EXPORT, str(here), str(ckpt), IDS], check=True, cwd=REPO)
+    done = run_command([sys.executable, "-c", CHECK_EXPORT, str(here), str(ckpt), IDS])
+    assert done.returncode == 0, done.stderr[-2000:]
     in_compat = Path(sys.prefix).name == ".venv-compat"
     other = REPO / (".venv" if in_compat else ".venv-compat") / "bin" / "python"
     if not other.is_file():
         pytest.skip(f"{other} is not installed: nothing to cross-check against")
     there = tmp_path / "there"
     export = f"from ldm.export import export_pipeline; export_pipeline({str(ckpt)!r}, {str(there)!r})"
-    subprocess.run([str(other), "-c", export], check=True, cwd=REPO)
+    done = run_command([str(other), "-c", export])
+    assert done.returncode == 0, done.stderr[-2000:]
     for python, folder in ((sys.executable, there), (str(other), here)):
-        done = subprocess.run(
-            [python, "-c", CHECK_EXPORT, str(folder), str(ckpt), IDS], capture_output=True, text=True, cwd=REPO
-        )
+        done = run_command([python, "-c", CHECK_EXPORT, str(folder), str(ckpt), IDS])
         assert done.returncode == 0 and "export ok" in done.stdout, done.stderr[-2000:]
 
 

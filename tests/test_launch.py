@@ -2,7 +2,6 @@
 
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
 from ldm.training.launch import agree_on_run_dir
 from ldm.utils.run_folder import RUN_DIR_ENV
+from tests.helpers import run_together
 
 REPO = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = """
@@ -36,25 +36,17 @@ def free_port() -> int:
 
 def launch(world: int, extra_env: dict) -> list[str]:
     port = free_port()
-    procs = []
+    envs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k != RUN_DIR_ENV}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1), RANK=str(rank), WORLD_SIZE=str(world))
         env.update({k: v.format(rank=rank) for k, v in extra_env.items()}, PYTHONPATH=str(REPO))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", RANK_SCRIPT, *extra_env["_env"].split()],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )  # fmt: skip
-        )
+        envs.append(env)
+    command = [sys.executable, "-c", RANK_SCRIPT, *extra_env["_env"].split()]
     outputs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        outputs.append(out.strip())
+    for done in run_together([command] * world, envs, timeout=120):
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout.strip())
     return outputs
 
 

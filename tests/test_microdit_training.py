@@ -3,8 +3,6 @@ unmasked fine-tuning from the same checkpoint, the experts' own LR, and config e
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,8 @@ from ldm.backbones.microdit_layers import ExpertChoiceFeedForward
 from ldm.config import instantiate
 from ldm.training.run import prepare_config
 from main import main
-from tests.helpers import run_script
-from tests.test_faults import clean_env, losses, record
+from tests.helpers import run_main, run_script
+from tests.test_faults import losses, record
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "quickstart" / "digits-microdit.yaml"
@@ -83,8 +81,7 @@ def test_killed_with_kill_9_resumes_with_the_unbroken_losses(digits_vae, unbroke
     base = args(digits_vae, tmp_path / "logs", *record(rec))
     killed = ["lightning.callbacks.kill.target=tests.helpers.SendSignal", "lightning.callbacks.kill.params.step=5",
               "lightning.callbacks.kill.params.signal=SIGKILL"]  # fmt: skip
-    done = subprocess.run([sys.executable, "main.py", *base, *killed], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=clean_env())  # fmt: skip
+    done = run_main(*base, *killed)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert main([*base, "-r", "auto"]) == 0  # from step 4's checkpoint
     assert losses(rec) == reference, "steps 5 and 6 again, with the masks and noise of the unbroken run"

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from ldm.data.folder import BAD_SAMPLES, FolderDataset
 from ldm.data.shard_format import MANIFEST, read_unconditional
 from ldm.training.run import prepare_config
 from tests.conftest import REPO, write_images
-from tests.helpers import SD_FOLDER
+from tests.helpers import SD_FOLDER, run_together
 
 
 def overrides(tiny_sd, images) -> list[str]:
@@ -155,14 +154,11 @@ def test_two_processes_write_what_one_writes(tiny_sd, images, shards, tmp_path):
         port = s.getsockname()[1]
     command = [sys.executable, str(REPO / "scripts" / "precompute.py"), "-b", str(SD_FOLDER), "--out", str(out),
                "--chunk-size", "2", *overrides(tiny_sd, images)]  # fmt: skip
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")  # fmt: skip
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
+    world = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO),
+                 CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    envs = [{**world, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(2)]
+    for done in run_together([command] * 2, envs, timeout=120):
+        assert done.returncode == 0, done.stderr
     assert_same_samples(read(out), read(shards))
     assert (out / BAD_SAMPLES).read_text() == (shards / BAD_SAMPLES).read_text()
 

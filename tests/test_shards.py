@@ -3,8 +3,6 @@ a local folder read as a remote into a cache, clear errors for wrong sources, an
 
 import json
 import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -13,8 +11,7 @@ from diffusers import StableDiffusionPipeline
 
 from main import main
 from tests.conftest import REPO
-from tests.helpers import run_script
-from tests.test_faults import clean_env
+from tests.helpers import run_main, run_script
 
 TINY = REPO / "configs" / "pretrain" / "tiny-shards.yaml"
 
@@ -100,8 +97,7 @@ def test_killed_with_kill_9_mid_epoch_resumes_with_the_unbroken_samples_and_loss
     base = args(tiny_sd, shards, tmp_path / "logs", rec)
     killed = ["lightning.callbacks.kill.target=tests.helpers.SendSignal", "lightning.callbacks.kill.params.step=7",
               "lightning.callbacks.kill.params.signal=SIGKILL"]  # fmt: skip
-    done = subprocess.run([sys.executable, "main.py", *base, *killed], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=clean_env())  # fmt: skip
+    done = run_main(*base, *killed)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert sorted(recorded(rec)) == list(range(1, 8))
     assert main([*base, "-r", "auto"]) == 0  # from step 6's checkpoint: one batch into the second epoch
@@ -122,6 +118,75 @@ def test_a_local_folder_read_as_a_remote_by_two_workers_is_copied_to_its_cache_a
     assert main([*argv, f"data.params.sources={sources}"]) == 0
     assert (cache / "a" / "index.json").is_file() and list((cache / "a").glob("**/*.mds"))
     assert recorded(rec) == {step: reference[step] for step in (1, 2)}
+
+
+def test_a_job_killed_whole_leaves_shared_memory_that_the_resume_frees(tiny_sd, shards, tmp_path, monkeypatch,
+                                                                        capsys, caplog):  # fmt: skip
+    """kill -9 to the job's process group (a cancelled job: the resource tracker that would free the blocks
+    dies too) leaves the library's blocks naming the cache; a resume under a new temporary folder (a new job's)
+    is refused by the library unless they are freed, and they are."""
+    from ldm.data.leftovers import SHARED_MEMORY, registered_folders
+
+    rec, cache = tmp_path / "rec", tmp_path / "cache"
+    rec.mkdir()
+    sources = f"[{{path: {shards['a']}, cache: {cache / 'a'}}}]"
+    base = args(tiny_sd, shards, tmp_path / "logs", rec, f"data.params.sources={sources}",
+                "lightning.trainer.max_steps=4")  # fmt: skip
+    killed = ["lightning.callbacks.kill.target=tests.helpers.SendSignal",
+              "lightning.callbacks.kill.params={step: 3, signal: SIGKILL, group: true}"]  # fmt: skip
+    done = run_main(*base, *killed)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    left = [p for p in SHARED_MEMORY.glob("*_locals") if str(cache / "a") in registered_folders(p)]
+    assert len(left) == 1, "the killed job's blocks are still there"
+    prefix = int(left[0].name.split("_")[0])
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the new job's temporary folder: no lock files
+    assert main([*base, "-r", "auto", "data.params.free_stale_shared_memory=false"]) == 2
+    assert "Reused local directory" in capsys.readouterr().err
+    with caplog.at_level("INFO", logger="ldm.data.shards"):
+        assert main([*base, "-r", "auto"]) == 0
+    assert f"freed what 1 killed run(s) left in /dev/shm and {tmp_path} (the library's prefixes {prefix})" in (
+        caplog.text
+    )
+    assert sorted(recorded(rec)) == [1, 2, 3, 4]
+
+
+def test_only_blocks_of_our_folders_that_no_process_maps_are_freed(tmp_path, monkeypatch):
+    """Stale blocks naming our folder go, with their lock files; blocks a live process maps stay, and so do
+    stale blocks of other folders; lock files whose blocks are gone go too."""
+    import mmap
+
+    import numpy as np
+    from streaming import Stream
+
+    from ldm.data.leftovers import SHARED_MEMORY, free_stale_shared_memory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir(), theirs.mkdir()
+
+    def make(prefix: int, folder: Path) -> list[Path]:
+        text = f"{folder}\0{prefix}".encode()
+        locals_ = SHARED_MEMORY / f"{prefix:06}_locals"
+        locals_.write_bytes(np.int32(4 + len(text)).tobytes() + text)
+        barrier = SHARED_MEMORY / f"{prefix:06}_barrier"
+        barrier.write_bytes(bytes(4096))
+        lock = tmp_path / f"{prefix:06}_barrier_filelock"
+        lock.touch()
+        return [locals_, barrier, lock]
+
+    stale, live, other = make(990001, ours), make(990002, ours), make(990003, theirs)
+    orphan_lock = tmp_path / "990004_cache_filelock"
+    orphan_lock.touch()
+    made = [*stale, *live, *other]
+    try:
+        with live[1].open("r+b") as f, mmap.mmap(f.fileno(), 4096):  # a live run maps its blocks
+            assert set(free_stale_shared_memory([Stream(local=str(ours))])) == {990001, 990004}
+        assert [p.exists() for p in made] == [False] * 3 + [True] * 6
+        assert not orphan_lock.exists()
+    finally:
+        for path in made:
+            path.unlink(missing_ok=True)
 
 
 def test_a_run_from_shards_exports_a_pipeline_that_samples(unbroken, tmp_path):

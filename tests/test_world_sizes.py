@@ -6,7 +6,6 @@ import json
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,9 +15,7 @@ from diffusers import UNet2DConditionModel
 
 from ldm.training.strategies.fsdp import CPU_CAPABLE
 from main import main
-from tests.conftest import REPO
-from tests.helpers import run_script
-from tests.test_faults import clean_env
+from tests.helpers import clean_env, run_main, run_script, run_together
 from tests.test_shards import TINY, args, clean_up_after_killed_runs, recorded  # noqa: F401 (an autouse fixture)
 
 GLOBAL_BATCH = 16  # 40 samples an epoch: 2 steps an epoch, 4 steps are 2 epochs
@@ -44,8 +41,7 @@ def train(tiny_sd, shards, tmp: Path, world: int, *extra: str, rec: str = "rec",
     if world == 1 and code in (0, 2):
         assert main(argv) == code
     else:  # Lightning starts the other ranks by running this command again; kill -9 must not hit pytest
-        done = subprocess.run([sys.executable, "main.py", *argv], cwd=REPO, capture_output=True, text=True,
-                              timeout=300, env=clean_env())  # fmt: skip
+        done = run_main(*argv)
         assert done.returncode == code, done.stderr[-3000:]
     (run_dir,) = (tmp / "logs").iterdir()
     return run_dir, batches(tmp / rec, world) if code != 2 else {}
@@ -198,20 +194,13 @@ def test_processes_started_by_torchrun_or_srun_train_as_one_process_does(tiny_sd
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = []
+    envs = []
     for rank in range(2):
         env = {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
         env["WORLD_SIZE"] = "2"
-        env.update({k: v.format(rank=rank) for k, v in LAUNCHERS[launcher].items()})
-        procs.append(subprocess.Popen([sys.executable, "main.py", *argv], cwd=REPO, env=env, text=True,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
-    try:
-        errors = [proc.communicate(timeout=300)[1] for proc in procs]
-    finally:  # a rank that hangs (a deadlock) must not outlive the test
-        for proc in procs:
-            proc.kill()
-    for proc, err in zip(procs, errors):
-        assert proc.returncode == 0, err[-3000:]
+        envs.append({**env, **{k: v.format(rank=rank) for k, v in LAUNCHERS[launcher].items()}})
+    for done in run_together([[sys.executable, "main.py", *argv]] * 2, envs):
+        assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = (tmp_path / "logs").iterdir()
     assert batches(tmp_path / "rec", 2) == reference
     assert_same_weights(run_dir, reference_dir)

@@ -16,12 +16,18 @@ on any number of processes at the same global batch.
 
 The examples hold the latents and the text conditioning, so the VAE encoder and the text encoder do not run
 in training; the model still loads them, frozen: sample grids and exports use them.
+
+The library keeps a run's shared state in blocks under /dev/shm and lock files in the temporary folder. A run
+whose processes are all killed at once (a node lost, a job cancelled) cannot remove them: the blocks hold
+memory, and the library refuses to start again on a remote source's cache they name. The next run frees the
+ones of its own sources that no process maps any more (`ldm.data.leftovers`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -39,6 +45,7 @@ except ImportError as err:  # not installed, or its torchvision does not match t
 
 from ldm.config import ConfigError
 from ldm.data import ResumableDataLoader, trainer_position
+from ldm.data.leftovers import SHARED_MEMORY, free_stale_shared_memory
 from ldm.data.shard_format import MANIFEST, UNCONDITIONAL, read_manifest, read_unconditional, to_example
 
 log = logging.getLogger(__name__)
@@ -161,7 +168,10 @@ class ShardDataModule(pl.LightningDataModule):
 
     A resume on any number of processes at the same global batch continues the order exactly. One that cannot
     (another seed, sources, global batch, canonical nodes or epoch size) says so in one line and goes on from
-    the same sample offset in the new order (`inexact_resume: warn`), or is refused (`refuse`)."""
+    the same sample offset in the new order (`inexact_resume: warn`), or is refused (`refuse`).
+
+    Before the library starts, each node's first process frees what killed runs left of these sources in shared
+    memory (`free_stale_shared_memory`), while the others wait."""
 
     def __init__(
         self,
@@ -178,6 +188,7 @@ class ShardDataModule(pl.LightningDataModule):
         cache_limit: str | None = None,
         download_timeout: float = 60.0,
         inexact_resume: str = "warn",
+        free_stale_shared_memory: bool = True,
     ) -> None:
         super().__init__()
         if inexact_resume not in ("warn", "refuse"):
@@ -200,7 +211,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.caption_dropout, self.cache_dir = caption_dropout, Path(cache_dir).expanduser()
         self.num_canonical_nodes, self.epoch_size = num_canonical_nodes, epoch_size
         self.predownload, self.cache_limit, self.download_timeout = predownload, cache_limit, download_timeout
-        self.inexact_resume = inexact_resume
+        self.inexact_resume, self.free_stale_shared_memory = inexact_resume, free_stale_shared_memory
         self.dataset: _LatentShards | None = None
         self.manifests: list[dict] = []
 
@@ -262,6 +273,8 @@ class ShardDataModule(pl.LightningDataModule):
                         f"sources[0]'s ({self.sources[i]['path']} vs {self.sources[0]['path']}); precompute both "
                         "with the same model config"
                     )
+        if self.free_stale_shared_memory:
+            self._free_leftovers(streams)
         try:
             self.dataset = _LatentShards(
                 streams=streams,
@@ -293,6 +306,24 @@ class ShardDataModule(pl.LightningDataModule):
         if self.dataset is not None:
             for path in self.dataset.lock_files():
                 path.unlink(missing_ok=True)
+
+    def _free_leftovers(self, streams: list[Stream]) -> None:
+        """Each node's first process frees what killed runs of these sources left; every process then waits at a
+        barrier: the library's processes each pick the first free prefix on their own, before its own barrier, so
+        one that looked before the freeing would pick another than its node's first process, and wait for it."""
+        trainer = self.trainer
+        if trainer is None or trainer.local_rank == 0:
+            freed = free_stale_shared_memory(streams)
+            if freed:
+                log.info(
+                    "data: freed what %d killed run(s) left in %s and %s (the library's prefixes %s)",
+                    len(freed),
+                    SHARED_MEMORY,
+                    tempfile.gettempdir(),
+                    ", ".join(map(str, freed)),
+                )
+        if trainer is not None and trainer.world_size > 1:
+            trainer.strategy.barrier("free_stale_shared_memory")
 
     def _tell_library_the_world(self) -> None:
         """The library learns its rank and world from environment variables alone (torchrun's); Lightning's own
