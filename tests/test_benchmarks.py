@@ -78,3 +78,19 @@ def test_pretrain_smoke(tmp_path):
     assert tiny["online_cost"] == pytest.approx(shards / online)
     assert 0 < tiny["precompute_share_at_mosaic_passes"] < 1
     assert headline.startswith("pretrain: tiny model, from shards ")
+
+
+def test_masking_smoke(tmp_path):
+    result, headline = smoke("masking.py", tmp_path)
+    flops, (budget,) = result["flops_per_step"], result["budgets"]
+    assert flops["A"] > flops["C"] > flops["B"] > 0, "75 % masking cuts a step's FLOPs; the mixer costs some"
+    assert abs(flops["D"] - flops["C"]) < 0.25 * flops["C"], "D is sized to C's FLOPs per step"
+    assert result["d_shape"]["width"] * result["d_shape"]["depth"] < 64 * 4, "D is smaller than A"
+    assert [run["arm"] for run in result["runs"]] == ["A", "B", "C", "D"]
+    for run in result["runs"]:
+        spent = run["steps"] * flops[run["arm"]]
+        assert abs(spent - budget * flops["A"]) <= flops[run["arm"]] / 2, f"equal FLOPs, to a step: {run}"
+        masked = run["arm"] in ("B", "C")
+        assert run["unmasked_from"] == (run["steps"] - round(0.1 * run["steps"]) if masked else run["steps"])
+        assert 0 <= run["accuracy"] <= 1 and run["frechet_distance"] > 0 and run["train_s"] > 0
+    assert headline.startswith(f"masking at equal FLOPs, budget {budget}: A acc ")
