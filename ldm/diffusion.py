@@ -52,14 +52,18 @@ class Draws:
         if self.keys is None:
             return torch.randn(batch, *shape, device=device, dtype=dtype)
         return torch.stack(
-            [torch.randn(*shape, device=device, dtype=dtype, generator=g) for g in self._per_sample(batch, device)]
+            [
+                torch.randn(tuple(shape), device=device, dtype=dtype, generator=g)
+                for g in self._per_sample(batch, device)
+            ]
         )
 
     def uniform(self, batch: int, shape: Sequence[int] = (), device: torch.device | str | None = None) -> torch.Tensor:
         """(batch, *shape) numbers uniform in [0, 1)."""
         if self.keys is None:
             return torch.rand(batch, *shape, device=device)
-        return torch.stack([torch.rand(*shape, device=device, generator=g) for g in self._per_sample(batch, device)])
+        generators = self._per_sample(batch, device)
+        return torch.stack([torch.rand(tuple(shape), device=device, generator=g) for g in generators])
 
     def integers(self, high: int, batch: int, device: torch.device | str | None = None) -> torch.Tensor:
         """(batch,) integers uniform in [0, high)."""

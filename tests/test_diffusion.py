@@ -224,6 +224,26 @@ def test_keyed_draws_follow_the_sample_not_its_batch_or_position():
         diffusion.Draws(keys).normal(2)
 
 
+def test_keyed_draws_of_one_number_per_sample_drive_edm_with_masks():
+    """EDM draws one noise level per sample (shape ()), and the masks per sample: both from the keys."""
+    keys = diffusion.sample_keys(seed=3, step=7, sample_ids=[10, 11, 12])
+    assert diffusion.Draws(keys).normal(3).shape == (3,) and diffusion.Draws(keys).uniform(3).shape == (3,)
+    x0 = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def record(noisy, sigma, cond, keep=None):
+        seen.append(sigma)
+        return noisy
+
+    for _ in range(2):
+        draws = diffusion.Draws(keys)
+        keep = diffusion.random_keep(3, 16, 0.75, draws=draws)
+        assert keep.shape == (3, 4)
+        loss = diffusion.edm_loss(record, x0, {}, -0.6, 1.2, 0.9, keep, 2, draws)
+        assert torch.isfinite(loss)
+    assert torch.equal(seen[0], seen[1]), "the same keys draw the same noise levels"
+
+
 def test_the_global_draws_are_torchs_own():
     torch.manual_seed(1)
     expected = torch.randn(3, 2, dtype=torch.float64), torch.rand(3, 5), torch.randint(0, 9, (3,))
