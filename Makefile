@@ -53,6 +53,7 @@ bench: setup
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/time_to_quality.py
 	$(PY) benchmarks/pretrain.py
+	$(PY) benchmarks/masking.py
 
 format: setup
 	$(PY) -m ruff format .

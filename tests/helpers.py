@@ -267,3 +267,14 @@ class RecordShards(pl.Callback):
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
         row = {"local": local, "total": sum(p.numel() for p in params)}
         (self.folder / f"shards-{trainer.global_rank}.json").write_text(json.dumps(row))
+
+
+class SaveStartWeights(pl.Callback):
+    """Save the denoiser's weights as training starts (after any pretrained weights are loaded) to `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        module = getattr(pl_module, pl_module.denoiser_name)
+        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, self.path)

@@ -94,3 +94,13 @@ def test_masking_smoke(tmp_path):
         assert run["unmasked_from"] == (run["steps"] - round(0.1 * run["steps"]) if masked else run["steps"])
         assert 0 <= run["accuracy"] <= 1 and run["frechet_distance"] > 0 and run["train_s"] > 0
     assert headline.startswith(f"masking at equal FLOPs, budget {budget}: A acc ")
+
+
+def test_gpu_microdit_smoke_on_a_cpu(tmp_path):
+    result, headline = smoke("gpu_microdit.py", tmp_path)
+    masked, unmasked = result["flops_per_image"]["masked 75 %"], result["flops_per_image"]["unmasked"]
+    assert 0 < masked < 0.75 * unmasked, "75 % of the patches skip the backbone blocks"
+    for variant in ("masked 75 %", "unmasked"):
+        (run,) = result["runs"][variant]
+        assert run["batch"] == 2 and run["images_per_s"] > 0 and 0 < run["mfu"] < 1, run
+    assert headline.startswith("gpu microdit: tiny MicroDiT on a CPU (smoke), masked ")

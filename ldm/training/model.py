@@ -70,6 +70,7 @@ def latent_diffusion(
     optimizer: supplied("params", "lr") | None = None,
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
     lr_warmup_steps: int = 0,
+    lr_min: float = 0.0,
     snr_gamma: float | None = None,
     sample_latents: bool = True,
     attention: Literal["sdpa", "xformers", "math"] = "sdpa",
@@ -100,13 +101,19 @@ def latent_diffusion(
 
     `part_weights` loads a file of one part's weights (diffusers names, `.bin` / `.safetensors`) into the
     part built from its config; `architecture` lists configs the weights read must agree with; `lr_lambda`
-    is an LR factor per step (e.g. `ldm.training.lr_schedules.LambdaLinear`) instead of `lr_schedule`.
+    is an LR factor per step (e.g. `ldm.training.lr_schedules.LambdaLinear`) instead of `lr_schedule`; a linear or
+    cosine `lr_schedule` ends at `lr_min` (default 0).
 
     `objective: edm` trains with EDM (`edm`: p_mean, p_std, sigma_data), `mask_ratio` of the patches dropped after
     a MicroDiT's patch mixer; `unconditional: zeros` makes a dropped caption's conditioning zeros (MicroDiT's
     classifier-free guidance); `expert_lr_multiplier` scales the LR of mixture-of-experts parameters."""
     if learning_rate <= 0:
         raise ConfigError(f"model.params.learning_rate: got {learning_rate}; must be positive")
+    if lr_min and (lr_schedule == "constant" or not 0 < lr_min < learning_rate):
+        raise ConfigError(
+            f"model.params.lr_min: got {lr_min} with lr_schedule: {lr_schedule}; it is where a linear or cosine "
+            f"schedule ends, between 0 and learning_rate ({learning_rate})"
+        )
     if lr_lambda is not None and (lr_schedule != "constant" or lr_warmup_steps):
         raise ConfigError(
             "model.params.lr_lambda: a schedule of its own; it cannot be combined with "
@@ -114,7 +121,13 @@ def latent_diffusion(
         )
     factor = instantiate(lr_lambda, "model.params.lr_lambda") if lr_lambda is not None else None
     optimization = Optimization(
-        learning_rate, dict(optimizer or DEFAULT_OPTIMIZER), lr_schedule, lr_warmup_steps, factor, expert_lr_multiplier
+        learning_rate,
+        dict(optimizer or DEFAULT_OPTIMIZER),
+        lr_schedule,
+        lr_warmup_steps,
+        factor,
+        expert_lr_multiplier,
+        lr_min,
     )
     settings = dict(edm or {})
     training_objective = _objective(objective, settings, mask_ratio, unconditional, snr_gamma, expert_lr_multiplier)
