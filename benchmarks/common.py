@@ -8,6 +8,7 @@ import logging
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import warnings
 from datetime import date
@@ -60,3 +61,15 @@ def report(name: str, table: list[str], result: dict, headline: str, json_path: 
         json_path.write_text(line + "\n")
     print(headline)
     sys.stdout.flush()
+
+
+def run_child(command: list[str], variant: str, batch: int, timeout: float | None = None) -> dict:
+    """Run one measuring child process: the last `{"child": ...}` JSON line it printed, or why it failed (out of
+    memory, or its stderr's last line)."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"child"')]
+    if lines:
+        return json.loads(lines[-1])
+    tail = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
+    oom = "OutOfMemoryError" in done.stderr or "out of memory" in done.stderr
+    return {"child": variant, "batch": batch, "error": "out of memory" if oom else tail[-1][:300]}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import parser, quiet, report  # noqa: E402
+from benchmarks.common import parser, quiet, report, run_child  # noqa: E402
 
 VARIANTS = {"masked 75 %": 0.75, "unmasked": 0.0}
 TEXT_LENGTH = 77
@@ -84,14 +83,7 @@ def child(mask_ratio: float, batch: int, steps: int, warmup: int, smoke: bool) -
 def attempt(variant: str, batch: int, args) -> dict:
     """One child process: its result, or why it failed (out of memory, or another error's last line)."""
     command = [sys.executable, __file__, "--child", variant, "--batch", str(batch), "--steps", str(args.steps)]
-    done = subprocess.run(command + (["--smoke"] if args.smoke else []), capture_output=True, text=True,
-                          timeout=args.budget)  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"child"')]
-    if lines:
-        return json.loads(lines[-1])
-    tail = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
-    oom = "OutOfMemoryError" in done.stderr or "out of memory" in done.stderr
-    return {"child": variant, "batch": batch, "error": "out of memory" if oom else tail[-1][:300]}
+    return run_child(command + (["--smoke"] if args.smoke else []), variant, batch, timeout=args.budget)
 
 
 def main() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, parser, quiet, report  # noqa: E402
+from benchmarks.common import REPO, parser, quiet, report, run_child  # noqa: E402
 
 SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
 VARIANTS = {
@@ -117,13 +116,7 @@ def attempt(variant: str, batch: int, args, work: Path) -> dict:
     """One child process: its result, or why it failed (out of memory, or another error's last line)."""
     command = [sys.executable, __file__, "--child", variant, "--batch", str(batch), "--work", str(work),
                "--steps", str(args.steps), "--size", str(args.size)] + (["--smoke"] if args.smoke else [])  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"child"')]
-    if lines:
-        return json.loads(lines[-1])
-    tail = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
-    oom = "OutOfMemoryError" in done.stderr or "out of memory" in done.stderr
-    return {"child": variant, "batch": batch, "error": "out of memory" if oom else tail[-1][:300]}
+    return run_child(command, variant, batch)
 
 
 def main() -> None:
