@@ -54,6 +54,7 @@ bench: setup
 	$(PY) benchmarks/time_to_quality.py
 	$(PY) benchmarks/pretrain.py
 	$(PY) benchmarks/masking.py
+	$(PY) benchmarks/microdit_vs_unet.py
 
 format: setup
 	$(PY) -m ruff format .

@@ -1,7 +1,7 @@
 """What deferred masking buys: four MicroDiT arms on the digits task at equal training FLOPs.
 
-    python benchmarks/masking.py [--budgets 100 200 400] [--seeds 0 1 2] [--batch-size 64]
-        [--vae outputs/quickstart/vae] [--smoke]
+    python benchmarks/masking.py [--budgets 200 400 800] [--seeds 0 1 2] [--batch-size 64]
+        [--vae outputs/quickstart/vae] [--results runs.jsonl] [--smoke]
 
 The MicroDiT paper (Sehwag et al. 2024) claims that dropping 75 % of the patches *after* a light patch mixer
 keeps most of the quality of unmasked training at a fraction of its compute, where dropping them before any
@@ -20,11 +20,14 @@ paper does, so their step count comes from 0.9 masked + 0.1 unmasked steps. Each
 guidance 2 (10 samples per digit, EDM Euler, 25 steps): prompt accuracy by the digits classifier, and the
 Fréchet distance of its features to the real digits (lower is better). Prints per arm and budget the mean
 and spread over seeds, with wall time; the headline is the largest budget. The stage-1 autoencoder is
-trained first (not timed) unless `--vae` names one.
+trained first (not timed) unless `--vae` names one. With `--results FILE` each finished run is appended to
+FILE (JSON lines) and runs already there are skipped, so a long benchmark can be run in parts (one budget at
+a time) or continued after it was stopped; the table is made from every run in FILE that the arguments ask for.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import tempfile
@@ -172,6 +175,14 @@ def judge(checkpoint: Path, classifier: torch.nn.Module, samples: int, steps: in
     return {"accuracy": result["accuracy"], "frechet_distance": result["frechet_distance"]}
 
 
+def finished_runs(path: Path | None, batch: int) -> list[dict[str, Any]]:
+    """The runs at `batch` already recorded in the `--results` file (none without one)."""
+    if path is None or not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["batch_size"] == batch]
+
+
 def spread(values: list[float]) -> str:
     mean = statistics.fmean(values)
     return f"{mean:.2f} ± {statistics.stdev(values):.2f}" if len(values) > 1 else f"{mean:.2f}"
@@ -179,11 +190,13 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--budgets", type=int, nargs="+", default=[100, 200, 400], help="in steps of arm A")
+    p.add_argument("--budgets", type=int, nargs="+", default=[200, 400, 800], help="in steps of arm A")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--vae", type=Path, help="a stage-1 autoencoder folder (default: train one first)")
+    p.add_argument("--results", type=Path, help="a JSON-lines file of finished runs: each run is appended as it "
+                   "ends, and runs already in it (same arm, budget, seed, batch size) are not run again")  # fmt: skip
     args = p.parse_args()
     from examples.digits.judge import train_digit_classifier
     from examples.digits.quickstart import train_autoencoder
@@ -204,7 +217,7 @@ def main() -> None:
         masked = step_flops(config, batch, mask_ratio) if mask_ratio else unmasked
         per_step[arm] = (1 - UNMASKED_SHARE) * masked + UNMASKED_SHARE * unmasked
 
-    rows: list[dict[str, Any]] = []
+    rows = finished_runs(args.results, batch)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         vae = args.vae
@@ -217,11 +230,16 @@ def main() -> None:
             for arm in args.arms:
                 steps = max(round(total / per_step[arm]), 1)
                 for seed in args.seeds:
+                    if any(r["arm"] == arm and r["budget"] == budget and r["seed"] == seed for r in rows):
+                        continue
                     checkpoint, seconds = train_arm(vae, work, arm, d_shape, steps, batch, seed)
                     scores = judge(checkpoint, classifier, samples, inference_steps)
                     rows.append({"arm": arm, "budget": budget, "seed": seed, "steps": steps,
                                  "unmasked_from": unmasked_from(arm, steps), "train_s": round(seconds, 1),
-                                 **scores})  # fmt: skip
+                                 "batch_size": batch, **scores})  # fmt: skip
+                    if args.results is not None:
+                        with args.results.open("a") as f:
+                            f.write(json.dumps(rows[-1]) + "\n")
                     accuracy, distance = scores["accuracy"], scores["frechet_distance"]
                     print(f"  {arm} budget {budget} seed {seed}: {steps} steps, {seconds:.0f} s, "
                           f"accuracy {accuracy:.2f}, FD {distance:.2f}", flush=True)  # fmt: skip
@@ -236,7 +254,7 @@ def main() -> None:
     summary: dict[str, dict[str, Any]] = {}
     for budget in args.budgets:
         for arm in args.arms:
-            runs = [r for r in rows if r["arm"] == arm and r["budget"] == budget]
+            runs = [r for r in rows if r["arm"] == arm and r["budget"] == budget and r["seed"] in args.seeds]
             acc, fd = [r["accuracy"] for r in runs], [r["frechet_distance"] for r in runs]
             secs = statistics.fmean(r["train_s"] for r in runs)
             summary[f"{arm}@{budget}"] = {"accuracy": statistics.fmean(acc), "frechet_distance": statistics.fmean(fd)}
@@ -248,7 +266,9 @@ def main() -> None:
         for arm in args.arms
     )
     result = {"batch_size": batch, "budgets": args.budgets, "seeds": args.seeds, "d_shape": d_shape,
-              "flops_per_step": per_step, "runs": rows, "summary": summary}  # fmt: skip
+              "flops_per_step": per_step, "summary": summary,
+              "runs": [r for r in rows if r["budget"] in args.budgets and r["arm"] in args.arms
+                       and r["seed"] in args.seeds]}  # fmt: skip
     report("masking", table, result, headline, args.json)
 
 

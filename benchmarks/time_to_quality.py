@@ -48,6 +48,7 @@ class AccuracyClock:
     samples_per_digit: int
     inference_steps: int
     classifier: torch.nn.Module
+    guidance_scale: float = 5.0
     points: list[tuple[float, int, float]] = field(default_factory=list)  # (seconds, step, accuracy)
     start: float = field(default_factory=time.perf_counter)
     paused: float = 0.0
@@ -75,7 +76,9 @@ class AccuracyClock:
             m.eval()
         pipe = build_pipeline(parts)
         pipe.set_progress_bar_config(disable=True)
-        result = evaluate_pipeline(pipe, self.samples_per_digit, self.inference_steps, 5.0, classifier=self.classifier)
+        result = evaluate_pipeline(
+            pipe, self.samples_per_digit, self.inference_steps, self.guidance_scale, classifier=self.classifier
+        )
         for m, mode in zip(modules, modes):
             m.train(mode)
         self.points.append((round(seconds, 1), step, result["accuracy"]))

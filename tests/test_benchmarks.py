@@ -17,10 +17,10 @@ pytestmark = pytest.mark.skipif(
 REPO = Path(__file__).resolve().parents[1]
 
 
-def smoke(name: str, tmp_path: Path) -> tuple[dict, str]:
-    """Run `benchmarks/NAME --smoke`; return its JSON result and its last line (the headline)."""
+def smoke(name: str, tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """Run `benchmarks/NAME --smoke [ARGS]`; return its JSON result and its last line (the headline)."""
     out = tmp_path / f"{name}.json"
-    done = run_command([sys.executable, str(REPO / "benchmarks" / name), "--smoke", "--json", str(out)],
+    done = run_command([sys.executable, str(REPO / "benchmarks" / name), "--smoke", "--json", str(out), *args],
                        cwd=tmp_path, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
@@ -81,7 +81,8 @@ def test_pretrain_smoke(tmp_path):
 
 
 def test_masking_smoke(tmp_path):
-    result, headline = smoke("masking.py", tmp_path)
+    results = tmp_path / "runs.jsonl"
+    result, headline = smoke("masking.py", tmp_path, "--results", str(results))
     flops, (budget,) = result["flops_per_step"], result["budgets"]
     assert flops["A"] > flops["C"] > flops["B"] > 0, "75 % masking cuts a step's FLOPs; the mixer costs some"
     assert abs(flops["D"] - flops["C"]) < 0.25 * flops["C"], "D is sized to C's FLOPs per step"
@@ -94,6 +95,23 @@ def test_masking_smoke(tmp_path):
         assert run["unmasked_from"] == (run["steps"] - round(0.1 * run["steps"]) if masked else run["steps"])
         assert 0 <= run["accuracy"] <= 1 and run["frechet_distance"] > 0 and run["train_s"] > 0
     assert headline.startswith(f"masking at equal FLOPs, budget {budget}: A acc ")
+    assert [json.loads(line) for line in results.read_text().splitlines()] == result["runs"], "each run recorded"
+
+    again, _ = smoke("masking.py", tmp_path, "--results", str(results), "--arms", "B", "D")
+    assert again["runs"] == [run for run in result["runs"] if run["arm"] in ("B", "D")], "recorded runs not rerun"
+    assert len(results.read_text().splitlines()) == 4, "nothing appended when nothing ran"
+
+
+def test_microdit_vs_unet_smoke(tmp_path):
+    result, headline = smoke("microdit_vs_unet.py", tmp_path)
+    sides = result["sides"]
+    assert list(sides) == ["unet", "microdit"]
+    for side in sides.values():
+        assert side["steps"] == 3 and side["train_s"] > 0, side
+        assert [step for _, step, _ in side["points"]][:1] == [1], "judged from the first step until reached"
+        assert 0 <= side["accuracy"] <= 1 and side["frechet_distance"] > 0
+    assert sides["unet"]["denoiser_parameters"] != sides["microdit"]["denoiser_parameters"]
+    assert headline.startswith("microdit vs unet, digits, guidance 2: unet to 80% ")
 
 
 def test_gpu_microdit_smoke_on_a_cpu(tmp_path):
