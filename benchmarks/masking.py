@@ -179,7 +179,14 @@ def finished_runs(path: Path | None, batch: int) -> list[dict[str, Any]]:
     """The runs at `batch` already recorded in the `--results` file (none without one)."""
     if path is None or not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{number}: not a recorded run ({e}); delete that line to run it again") from e
     return [r for r in rows if r["batch_size"] == batch]
 
 

@@ -102,6 +102,19 @@ def test_masking_smoke(tmp_path):
     assert len(results.read_text().splitlines()) == 4, "nothing appended when nothing ran"
 
 
+def test_masking_results_file_errors_name_the_line(tmp_path):
+    from benchmarks.masking import finished_runs
+
+    results = tmp_path / "runs.jsonl"
+    run = {"arm": "A", "budget": 2, "seed": 0, "batch_size": 8, "accuracy": 0.1}
+    results.write_text(json.dumps(run) + "\n\n" + json.dumps({**run, "batch_size": 64}) + "\n")
+    assert finished_runs(results, 8) == [run], "runs at another batch size do not count"
+    assert finished_runs(tmp_path / "none.jsonl", 8) == []
+    results.write_text(json.dumps(run) + '\n{"arm": "B", "bud')  # a run cut off mid-write
+    with pytest.raises(SystemExit, match=r"runs.jsonl:2: not a recorded run"):
+        finished_runs(results, 8)
+
+
 def test_microdit_vs_unet_smoke(tmp_path):
     result, headline = smoke("microdit_vs_unet.py", tmp_path)
     sides = result["sides"]
