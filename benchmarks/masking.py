@@ -175,6 +175,17 @@ def judge(checkpoint: Path, classifier: torch.nn.Module, samples: int, steps: in
     return {"accuracy": result["accuracy"], "frechet_distance": result["frechet_distance"]}
 
 
+def autoencoder_and_judge(vae: Path | None, work: Path, smoke: bool) -> tuple[Path, torch.nn.Module]:
+    """The stage-1 autoencoder folder (`vae`, or one trained into `work`) and a freshly trained digit judge."""
+    from examples.digits.judge import train_digit_classifier
+    from examples.digits.quickstart import train_autoencoder
+
+    if vae is None:
+        train_autoencoder(work, 5 if smoke else None)
+        vae = work / "vae"
+    return vae, train_digit_classifier(epochs=1 if smoke else 10)
+
+
 def finished_runs(path: Path | None, batch: int) -> list[dict[str, Any]]:
     """The runs at `batch` already recorded in the `--results` file (none without one)."""
     if path is None or not path.exists():
@@ -205,9 +216,6 @@ def main() -> None:
     p.add_argument("--results", type=Path, help="a JSON-lines file of finished runs: each run is appended as it "
                    "ends, and runs already in it (same arm, budget, seed, batch size) are not run again")  # fmt: skip
     args = p.parse_args()
-    from examples.digits.judge import train_digit_classifier
-    from examples.digits.quickstart import train_autoencoder
-
     quiet()
     samples, inference_steps = (10, 25)
     if args.smoke:
@@ -227,11 +235,7 @@ def main() -> None:
     rows = finished_runs(args.results, batch)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        vae = args.vae
-        if vae is None:
-            train_autoencoder(work, 5 if args.smoke else None)
-            vae = work / "vae"
-        classifier = train_digit_classifier(epochs=1 if args.smoke else 10)
+        vae, classifier = autoencoder_and_judge(args.vae, work, args.smoke)
         for budget in args.budgets:
             total = budget * per_step["A"]
             for arm in args.arms:

@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO, parser, quiet, report  # noqa: E402
-from benchmarks.masking import judge  # noqa: E402
+from benchmarks.masking import autoencoder_and_judge, judge  # noqa: E402
 from benchmarks.time_to_quality import AccuracyClock  # noqa: E402
 
 SIDES = {
@@ -89,9 +89,6 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the training seed of both sides (main.py -s)")
     p.add_argument("--vae", type=Path, help="a stage-1 autoencoder folder (default: train one first)")
     args = p.parse_args()
-    from examples.digits.judge import train_digit_classifier
-    from examples.digits.quickstart import train_autoencoder
-
     quiet()
     samples, steps, overrides = 10, 25, []
     if args.smoke:
@@ -102,11 +99,7 @@ def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        vae = args.vae
-        if vae is None:
-            train_autoencoder(work, 5 if args.smoke else None)
-            vae = work / "vae"
-        classifier = train_digit_classifier(epochs=1 if args.smoke else 10)
+        vae, classifier = autoencoder_and_judge(args.vae, work, args.smoke)
         clock_args = dict(target=args.target, budget_s=float("inf"), every_s=args.eval_every,
                           samples_per_digit=samples, inference_steps=steps, classifier=classifier,
                           guidance_scale=GUIDANCE)  # fmt: skip
