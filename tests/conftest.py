@@ -61,3 +61,17 @@ def shards(tiny_sd, tmp_path_factory) -> dict[str, Path]:
                            "data.params.size=16", "data.params.num_workers=0"])  # fmt: skip
         assert code == 0
     return {name: tmp / name for name in SHARD_SOURCES}
+
+
+@pytest.fixture(scope="session")
+def shards_512(tiny_sd, tmp_path_factory):
+    """The CPU twins' "512 px" shards: 32 px images, 16x16 latents, precomputed with the tiny SD."""
+    from ldm.cli.precompute import main as precompute
+    from tests.helpers import SD_FOLDER
+
+    tmp = tmp_path_factory.mktemp("shards512")
+    write_images(tmp / "images", n=12, size=(40, 36))
+    assert precompute(["-b", str(SD_FOLDER), "--out", str(tmp / "a"), "--chunk-size", "6",
+                       f"model.params.pretrained={tiny_sd}", f"data.params.root={tmp / 'images'}",
+                       "data.params.size=32", "data.params.num_workers=0"]) == 0  # fmt: skip
+    return tmp / "a"

@@ -10,8 +10,7 @@ from ldm.systems.latent_diffusion import WarmupDecay
 from ldm.training.checks import check_config
 from ldm.weights.checkpoint import load_checkpoint
 from main import main
-from tests.conftest import REPO, write_images
-from tests.helpers import SD_FOLDER
+from tests.conftest import REPO
 
 STAGES = ["microdit-1-256-masked", "microdit-2-256", "microdit-3-512-masked", "microdit-4-512"]
 CONFIGS = {stage: REPO / "configs" / "pretrain" / f"{stage}.yaml" for stage in STAGES}
@@ -58,19 +57,6 @@ def test_lr_min_needs_a_schedule_that_ends_somewhere(tiny_sd):
 
     with pytest.raises(ConfigError, match="model.params.lr_min: got 1e-05 with lr_schedule: constant"):
         latent_diffusion(pretrained=str(tiny_sd), lr_min=1e-5)
-
-
-@pytest.fixture(scope="module")
-def shards_512(tiny_sd, tmp_path_factory):
-    """The twin's "512 px" shards: 32 px images, 16x16 latents."""
-    from ldm.cli.precompute import main as precompute
-
-    tmp = tmp_path_factory.mktemp("shards512")
-    write_images(tmp / "images", n=12, size=(40, 36))
-    assert precompute(["-b", str(SD_FOLDER), "--out", str(tmp / "a"), "--chunk-size", "6",
-                       f"model.params.pretrained={tiny_sd}", f"data.params.root={tmp / 'images'}",
-                       "data.params.size=32", "data.params.num_workers=0"]) == 0  # fmt: skip
-    return tmp / "a"
 
 
 def run_stage(stage: str, pretrained, shards, logs, *extra: str):
