@@ -278,3 +278,17 @@ class SaveStartWeights(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         module = getattr(pl_module, pl_module.denoiser_name)
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, self.path)
+
+
+class RecordBatches(pl.Callback):
+    """Append `{"step", "shape", "captions"}` of every training batch (its pixels' or latents' shape) to a
+    JSON-lines file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        shape = list(batch.get("pixel_values", batch.get("latents")).shape)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "shape": shape, "captions": batch["caption"]}) + "\n")
+

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ldm.config import ConfigError, TargetSpec, instantiate
+from ldm.data.buckets import BucketBatchSampler
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,26 @@ class ResumableSampler(Sampler):
     def __len__(self) -> int:
         return self.size // self.world_size
 
-    def __iter__(self):
+    def draws(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This epoch's order of all examples, whether each one's caption is dropped, and its augmentation seed:
+        functions of (seed, epoch) alone."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         order = torch.randperm(self.size, generator=g) if self.shuffle else torch.arange(self.size)
         drop = torch.rand(self.size, generator=g) < self.caption_dropout
         augment_seeds = torch.randint(0, 2**31 - 1, (self.size,), generator=g)
+        return order, drop, augment_seeds
+
+    def take_resume(self) -> int:
+        """How many batches of this epoch to skip: those a resumed checkpoint had done (once; then 0)."""
+        if self.epoch != self.resume_epoch:
+            return 0
+        self.resume_epoch = -1
+        return self.resume_batches
+
+    def __iter__(self):
+        order, drop, augment_seeds = self.draws()
         mine = order[: len(self) * self.world_size][self.rank :: self.world_size]
-        start = 0
-        if self.epoch == self.resume_epoch:
-            start, self.resume_epoch = self.resume_batches * self.batch_size, -1
-        for i in mine[start:].tolist():
+        for i in mine[self.take_resume() * self.batch_size :].tolist():
             yield i, bool(drop[i]), int(augment_seeds[i])
 
 
@@ -152,8 +163,8 @@ class ResumableDataLoader(DataLoader):
         return self.position()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["batches_done"] < len(self):
-            self.sampler.resume(state["epoch"], state["batches_done"])
+        if state["batches_done"] < len(self):  # our samplers: a batch sampler's `sampler` holds the position
+            self.batch_sampler.sampler.resume(state["epoch"], state["batches_done"])
 
 
 class DataModule(pl.LightningDataModule):
@@ -188,6 +199,7 @@ class DataModule(pl.LightningDataModule):
         self.drop_last = drop_last
         self.dataset: Dataset | None = None
         self.text_cache: _TextCache | None = None
+        self.buckets: list[int] | None = None  # per index, when the dataset has aspect-ratio buckets
 
     def build_dataset(self) -> Dataset:
         spec = self.dataset_spec
@@ -199,11 +211,36 @@ class DataModule(pl.LightningDataModule):
         dataset = self.build_dataset()
         if len(dataset) == 0:
             raise ConfigError("data.params.dataset: the dataset is empty; check data.params (root, files, captions)")
+        if getattr(dataset, "shapes", None) is not None:
+            self._assign_buckets(dataset)
         if self.cache_latents:
             dataset = self._encode_all(dataset)
         if self.cache_text:
             self.text_cache = self._encode_captions(dataset)
         self.dataset = dataset
+
+    def _assign_buckets(self, dataset: Dataset) -> None:
+        """Bucket the examples by aspect (buckets of less than a global batch merged) and log the buckets."""
+        if self.cache_latents:
+            raise ConfigError(
+                "data.params.cache_latents: not with data.params.buckets (latents of many shapes); precompute "
+                "the folder into bucketed shards instead (scripts/precompute.py), or drop one of the two"
+            )
+        world_size = self.trainer.world_size if self.trainer is not None else 1
+        global_batch = self.batch_size * world_size
+        self.buckets = dataset.assign_buckets(global_batch)
+        counts = torch.bincount(torch.tensor(self.buckets), minlength=len(dataset.shapes))
+        used = [(dataset.shapes[b], int(n)) for b, n in enumerate(counts) if n]
+        spare = sum(int(n) % global_batch for _, n in used)
+        log.info(
+            "buckets: %d examples in %d bucket(s) (%s); each epoch, %d wait for a later one (a bucket's remainder "
+            "after whole global batches of %d)",
+            len(dataset),
+            len(used),
+            ", ".join(f"{h}x{w}: {n}" for (h, w), n in used),
+            spare,
+            global_batch,
+        )
 
     def _one_pass(self, dataset: Dataset) -> DataLoader:
         """A loader for encoding the data once. Its own generator: drawing its worker seeds from the global
@@ -266,6 +303,15 @@ class DataModule(pl.LightningDataModule):
             trainer.global_rank if trainer else 0,
             trainer.world_size if trainer else 1,
         )
+        if self.buckets is not None:  # batches of one bucket each; a bucket's remainder waits for another epoch
+            return ResumableDataLoader(
+                _Indexed(self.dataset, self.text_cache),
+                batch_sampler=BucketBatchSampler(sampler, self.buckets, self.batch_size),
+                num_workers=self.num_workers,
+                persistent_workers=self.num_workers > 0,
+                position=lambda: trainer_position(self.trainer),
+                generator=torch.Generator().manual_seed(self.seed),
+            )
         if self.drop_last and len(sampler) < self.batch_size:
             raise ConfigError(
                 f"data.params.drop_last: each process gets {len(sampler)} examples, fewer than one batch of "

@@ -19,7 +19,8 @@ from torch.utils.data import Dataset
 
 from ldm.config import ExistingPath, TargetSpec
 from ldm.data import DataModule
-from ldm.data.images import BadImage, decode_image
+from ldm.data.buckets import Buckets, Shape, assign_buckets, shapes_from
+from ldm.data.images import BadImage, decode_image, header_size
 from ldm.utils.run_folder import current_run_dir
 
 log = logging.getLogger(__name__)
@@ -198,25 +199,27 @@ def _read_caption(path: Path) -> str:
 
 
 def load_image(
-    path: Path, size: int, channels: int, random_crop: bool, flip: bool, rng: random.Random
+    path: Path, size: int | Shape, channels: int, random_crop: bool, flip: bool, rng: random.Random
 ) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
-    """Read an image, resize its short side to `size`, crop `size` x `size`, maybe flip; to [-1, 1].
+    """Read an image, resize it to just cover `size` (a square's side, or a bucket's (height, width)), crop that
+    shape, maybe flip; to [-1, 1].
 
     Returns the pixels, the image's (height, width) before resizing and the crop's (top, left) in the resized
     image as served (measured from the left edge of the flipped image when flipped). Raises `BadImage` for a
     file that cannot be decoded."""
     image = decode_image(path, channels)
     original_size = (image.height, image.width)
+    height, width = (size, size) if isinstance(size, int) else size
     w, h = image.size
-    scale = size / min(w, h)
-    image = image.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.Resampling.BICUBIC)
+    scale = max(height / h, width / w)
+    image = image.resize((max(width, round(w * scale)), max(height, round(h * scale))), Image.Resampling.BICUBIC)
     w, h = image.size
-    left = rng.randint(0, w - size) if random_crop else (w - size) // 2
-    top = rng.randint(0, h - size) if random_crop else (h - size) // 2
-    image = image.crop((left, top, left + size, top + size))
+    left = rng.randint(0, w - width) if random_crop else (w - width) // 2
+    top = rng.randint(0, h - height) if random_crop else (h - height) // 2
+    image = image.crop((left, top, left + width, top + height))
     if flip and rng.random() < 0.5:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        left = w - size - left
+        left = w - width - left
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     tensor = torch.from_numpy(array)
     pixels = tensor.permute(2, 0, 1).contiguous() if channels == 3 else tensor.unsqueeze(0)
@@ -228,7 +231,10 @@ class FolderDataset(Dataset):
     image's `original_size` (height, width) and `crop_top_left` (top, left; see `load_image`).
 
     `examples` holds each image once; `example_index[i]` is the one served at index `i`, so an image of a
-    kohya concept folder `10_name` fills 10 indices and `len()` is the epoch's length (see `find_examples`)."""
+    kohya concept folder `10_name` fills 10 indices and `len()` is the epoch's length (see `find_examples`).
+
+    With `buckets` (`ldm.data.buckets`), `assign_buckets` puts each image in the bucket of its aspect and it is
+    served at that bucket's shape instead of a `size` square."""
 
     def __init__(
         self,
@@ -240,6 +246,7 @@ class FolderDataset(Dataset):
         caption_extension: str = ".txt",
         on_bad_sample: Literal["skip", "error"] = "skip",
         layout: Layout = "auto",
+        buckets: Buckets | None = None,
     ) -> None:
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
@@ -255,6 +262,8 @@ class FolderDataset(Dataset):
         self.size, self.random_crop, self.flip, self.channels = size, random_crop, flip, channels
         self.on_bad_sample = on_bad_sample
         self.bad: set[int] = set()  # indices into `examples` found undecodable, in this process
+        self.shapes = shapes_from(buckets, size) if buckets is not None else None
+        self.bucket: list[int] | None = None  # per index, into `shapes`; set by `assign_buckets`
         self.get(0, seed=0)  # a folder with no decodable image fails here, before training
 
     def __len__(self) -> int:
@@ -262,6 +271,20 @@ class FolderDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         return self.get(index, seed=index)
+
+    def assign_buckets(self, min_count: int) -> list[int]:
+        """Put each index in the bucket of its image's aspect, read from the file's header (an unreadable one: a
+        square), merging buckets of fewer than `min_count` indices (a global batch); return each index's bucket.
+        Needs `buckets`."""
+        if self.shapes is None:
+            raise ValueError("assign_buckets: this dataset has no buckets (data.params.buckets)")
+        sizes = [header_size(path) or (self.size, self.size) for path, _ in self.examples]
+        self.bucket = assign_buckets([sizes[example] for example in self.example_index], self.shapes, min_count)
+        return self.bucket
+
+    def shape(self, index: int) -> Shape:
+        """The (height, width) index `index` is served at."""
+        return (self.size, self.size) if self.bucket is None else self.shapes[self.bucket[index]]
 
     def get(self, index: int, seed: int) -> dict:
         """The example at `index`, its random crop and flip drawn from `seed`.
@@ -275,7 +298,7 @@ class FolderDataset(Dataset):
             if candidate in self.bad:
                 continue
             try:
-                return self._load(candidate, seed)
+                return self._load(candidate, seed, self.shape(index))  # a stand-in takes the bucket's shape too
             except BadImage as err:
                 if self.on_bad_sample == "error":
                     raise BadImage(f"{err}; set data.params.on_bad_sample: skip to train without such files") from None
@@ -285,13 +308,11 @@ class FolderDataset(Dataset):
     def load(self, index: int, seed: int) -> dict:
         """The example at `index` itself, its random crop and flip drawn from `seed`; raises `BadImage` for
         an undecodable file (where `get` serves the next image instead)."""
-        return self._load(self.example_index[index], seed)
+        return self._load(self.example_index[index], seed, self.shape(index))
 
-    def _load(self, example: int, seed: int) -> dict:
+    def _load(self, example: int, seed: int, shape: Shape) -> dict:
         path, caption = self.examples[example]
-        pixels, size, crop = load_image(
-            path, self.size, self.channels, self.random_crop, self.flip, random.Random(seed)
-        )
+        pixels, size, crop = load_image(path, shape, self.channels, self.random_crop, self.flip, random.Random(seed))
         return {"pixel_values": pixels, "caption": caption, "original_size": size, "crop_top_left": crop}
 
     def _skip(self, index: int, reason: str) -> None:
@@ -323,6 +344,7 @@ class FolderDataModule(DataModule):
         caption_extension: str = ".txt",
         on_bad_sample: Literal["skip", "error"] = "skip",
         layout: Layout = "auto",
+        buckets: Buckets | None = None,
         batch_size: int = 1,
         num_workers: int = 0,
         shuffle: bool = True,
@@ -343,6 +365,7 @@ class FolderDataModule(DataModule):
                 "caption_extension": caption_extension,
                 "on_bad_sample": on_bad_sample,
                 "layout": layout,
+                "buckets": None if buckets is None else dict(buckets),
             },
         }
         super().__init__(dataset, batch_size, num_workers, shuffle, seed, caption_dropout, cache_latents, cache_text,

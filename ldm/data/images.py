@@ -33,6 +33,18 @@ def decode_image(path: Path, channels: int = 3) -> Image.Image:
     return _to_8bit(image, channels)
 
 
+def header_size(path: Path) -> tuple[int, int] | None:
+    """The (height, width) the image at `path` decodes to, EXIF orientation applied, from its header alone; None
+    when the header cannot be read (decoding it then fails, and says why)."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            orientation = image.getexif().get(0x0112)  # 5 to 8: stored turned a quarter
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
+
+
 def _to_8bit(image: Image.Image, channels: int) -> Image.Image:
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
         values = np.asarray(image, dtype=np.float64)
