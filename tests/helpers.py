@@ -292,3 +292,23 @@ class RecordBatches(pl.Callback):
         with self.path.open("a") as f:
             f.write(json.dumps({"step": trainer.global_step, "shape": shape, "captions": batch["caption"]}) + "\n")
 
+
+class RecordWeights(pl.Callback):
+    """Save the denoiser's weights (fp32, on the CPU) after every optimizer step to `folder/step-N.pt`, and each
+    rank's EMA share (how many numbers its average holds) at the end of training to `folder/ema-RANK.json`."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.is_global_zero:
+            module = getattr(pl_module, pl_module.denoiser_name)
+            weights = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+            torch.save(weights, self.folder / f"step-{trainer.global_step}.pt")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from ldm.training.callbacks.ema import EMA
+
+        (ema,) = [c for c in trainer.callbacks if isinstance(c, EMA)]
+        share = {"numel": sum(t.numel() for t in ema.shadow.values())}
+        (self.folder / f"ema-{trainer.global_rank}.json").write_text(json.dumps(share))
