@@ -67,16 +67,21 @@ class EMA(pl.Callback):
         for name in sorted(whole, key=lambda n: -whole[n]):  # largest first, to the least loaded process
             self._owner[name] = load.index(min(load))
             load[self._owner[name]] += whole[name]
-        if self._loaded:  # resumed: keep this process's share of the saved average
-            self.shadow = {}
-            for name, p in params.items():
-                full = self._loaded[name].to(p.device, torch.float32)
-                if isinstance(p, DTensor):
-                    self.shadow[name] = self._store(distribute_tensor(full, p.device_mesh, p.placements,
-                                                                      src_data_rank=None).to_local())  # fmt: skip
-                elif self._owner[name] == self._rank:
-                    self.shadow[name] = self._store(full)
-            self._loaded = {}
+
+    def _take_loaded(self, pl_module: pl.LightningModule) -> None:
+        """After a resume, keep this process's share of the checkpoint's average (the first time it is needed:
+        strategies restore checkpoints before or after `on_fit_start`)."""
+        if not self._loaded:
+            return
+        self.shadow = {}
+        for name, p in self._trainable(pl_module).items():
+            full = self._loaded[name].to(p.device, torch.float32)
+            if isinstance(p, DTensor):
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                self.shadow[name] = self._store(local)
+            elif self._owner.get(name, 0) == self._rank:
+                self.shadow[name] = self._store(full)
+        self._loaded = {}
 
     @torch.no_grad()
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -84,6 +89,7 @@ class EMA(pl.Callback):
         if step == self._last_step or step < self.start_step or step % self.every_n_steps:
             return
         self._last_step = step
+        self._take_loaded(pl_module)
         mine = self._mine(self._trainable(pl_module))
         if not self.updates:  # the average starts as the weights
             self.shadow = {n: self._store(p) for n, p in mine.items()}
@@ -103,6 +109,7 @@ class EMA(pl.Callback):
 
     def _gather(self, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
         """The whole average on the CPU of every process, one parameter at a time (every process calls this)."""
+        self._take_loaded(pl_module)
         params, whole = self._trainable(pl_module), {}
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         for name, p in params.items():
