@@ -148,3 +148,89 @@ def test_a_bucketed_folder_trains_on_one_shape_per_batch_and_resumes_exactly_mid
     assert code == 128 + 15 and before == unbroken[:4], "stopped at step 4, two batches into epoch 1"
     code, both = run("broken", "-r", "auto")  # the records go on in the same files
     assert code == 0 and both[4:] == unbroken[4:], "steps 5-9 after the resume are the unbroken run's, to the bit"
+
+
+@pytest.fixture(scope="module")
+def bucketed_shards(tiny_sd, three_shapes, tmp_path_factory):
+    from ldm.cli.precompute import main as precompute
+    from tests.helpers import SD_FOLDER
+
+    shards = tmp_path_factory.mktemp("bucketed") / "shards"
+    assert precompute(["-b", str(SD_FOLDER), "--out", str(shards), "--chunk-size", "5", "--min-bucket", "4",
+                       f"model.params.pretrained={tiny_sd}", f"data.params.root={three_shapes}",
+                       "data.params.size=16", "data.params.buckets={step: 8}",
+                       "data.params.num_workers=0"]) == 0  # fmt: skip
+    return shards
+
+
+def shard_args(tiny_sd, shards, logdir, *extra) -> list[str]:
+    from tests.test_shards import TINY
+
+    return ["-t", "-b", str(TINY), "-l", str(logdir), "-n", "pre", "-s", "5", f"model.params.pretrained={tiny_sd}",
+            f"data.params.sources=[{{path: {shards}}}]", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch, stop", [(4, 4), (3, 7)])  # (3, 7): at the end of an epoch of 2 + 2 + 3 batches
+def test_bucketed_shards_train_on_one_shape_per_batch_and_resume_exactly(
+    tiny_sd, bucketed_shards, tmp_path, caplog, batch, stop
+):
+    """The precompute writes one shard folder per bucket (latents at its shape, the widest merged into their
+    neighbour at --min-bucket 4); training deals batches of one bucket each and resumes on the same ones."""
+    shards = bucketed_shards
+    manifest = json.loads((shards / "ldm_shards.json").read_text())
+    listed = {b["folder"]: (b["latent_shape"], b["count"]) for b in manifest["buckets"]}
+    assert listed == {"24x8": ([4, 12, 4], 8), "16x16": ([4, 8, 8], 8), "8x24": ([4, 4, 12], 10)}
+    assert manifest["count"] == 26 and all((shards / folder / "index.json").is_file() for folder in listed)
+
+    def run(name: str, *extra: str) -> tuple[int, list[dict]]:
+        logdir, rec = tmp_path / name, tmp_path / f"{name}.jsonl"
+        argv = shard_args(tiny_sd, shards, logdir, f"data.params.batch_size={batch}", "lightning.trainer.max_steps=9",
+                          "lightning.modelcheckpoint.params.every_n_train_steps=1",
+                          "lightning.callbacks.rec.target=tests.helpers.RecordBatches",
+                          f"lightning.callbacks.rec.params.path={rec}", *extra)  # fmt: skip
+        code = main(argv)
+        return code, [json.loads(line) for line in rec.read_text().splitlines()]
+
+    with caplog.at_level(logging.INFO):
+        code, unbroken = run("unbroken")
+    assert code == 0 and [b["step"] for b in unbroken] == list(range(1, 10))
+    assert "buckets: source shards: 24x8: 8, 16x16: 8, 8x24: 10" in caplog.text
+    for b in unbroken:
+        kinds = {c.split()[0] for c in b["captions"] if c}
+        expected = {(12, 4): {"tall"}, (8, 8): {"square"}, (4, 12): {"wide", "widest"}}[tuple(b["shape"][2:])]
+        assert kinds <= expected, b
+    assert {tuple(b["shape"][2:]) for b in unbroken} == {(12, 4), (8, 8), (4, 12)}
+    signal = ["lightning.callbacks.stop.target=tests.helpers.SendSignal",
+              f"lightning.callbacks.stop.params={{step: {stop}, signal: SIGTERM}}"]  # fmt: skip
+    code, before = run("broken", *signal)
+    assert code == 128 + 15 and before == unbroken[:stop]
+    code, both = run("broken", "-r", "auto")
+    assert code == 0 and both[stop:] == unbroken[stop:], "the steps after the resume are the unbroken run's"
+
+
+def test_bucketed_shards_give_two_processes_the_global_batches_of_one(tiny_sd, bucketed_shards, tmp_path, caplog):
+    """1 process at batch 4 and 2 at batch 2 train on the same samples at every step; a bucket that cannot fill a
+    global batch is named in the log."""
+    from tests.helpers import run_main
+    from tests.test_shards import recorded
+
+    steps = {}
+    for world in (1, 2):
+        rec = tmp_path / f"rec{world}"
+        rec.mkdir()
+        argv = shard_args(tiny_sd, bucketed_shards, tmp_path / f"logs{world}", f"data.params.batch_size={4 // world}",
+                          "lightning.trainer.max_steps=5",
+                          "lightning.callbacks.samples.target=tests.helpers.RecordSamples",
+                          f"lightning.callbacks.samples.params.folder={rec}")  # fmt: skip
+        if world == 1:
+            assert main(argv) == 0
+        else:
+            done = run_main(*argv, "lightning.trainer.devices=2", "lightning.trainer.strategy=ddp")
+            assert done.returncode == 0, done.stderr[-3000:]
+        per_rank = [recorded(rec, rank) for rank in range(world)]
+        steps[world] = {step: sorted(k for rows in per_rank for k in rows[step]["keys"]) for step in per_rank[0]}
+    assert steps[2] == steps[1] and len(steps[1]) == 5
+    with caplog.at_level(logging.INFO):
+        assert main(shard_args(tiny_sd, bucketed_shards, tmp_path / "big", "data.params.batch_size=9",
+                               "lightning.trainer.max_steps=1")) == 0  # fmt: skip
+    assert "bucket 24x8 holds 8 samples, fewer than a global batch of 9: they are not trained on" in caplog.text

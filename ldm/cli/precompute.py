@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--source", default=None, metavar="NAME", help="the data's name (default: --out's name)")
     parser.add_argument("--chunk-size", type=int, default=4096, help="examples per chunk (default: 4096)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: max(data.params.batch_size, 32)")
+    parser.add_argument("--min-bucket", type=int, default=1, metavar="N",
+                        help="with data.params.buckets: a bucket of fewer images joins its neighbour; give the "
+                        "training run's global batch (default: 1)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides; win over files")
     return parser.parse_intermixed_args(argv)
 
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = args.batch_size or max(datamodule.batch_size, 32)
     try:
         cost = precompute(model, dataset, args.out, source, args.chunk_size, batch_size, datamodule.num_workers,
-                          rank, world_size)  # fmt: skip
+                          rank, world_size, min_bucket=args.min_bucket)  # fmt: skip
     except PrecomputeError as err:
         print(err, file=sys.stderr)
         return 2

@@ -81,6 +81,7 @@ def precompute(
     rank: int = 0,
     world_size: int = 1,
     shard_bytes: int = 1 << 26,
+    min_bucket: int = 1,
 ) -> Cost:
     """Encode each distinct example of `dataset` with `model`'s VAE and text encoder into MDS shards in `out`.
 
@@ -88,14 +89,48 @@ def precompute(
     posterior's deviation for models that draw from it and models that train on the mean alike (the manifest
     records the config's choice). A dataset's random crop and flip are switched off: the shards hold the
     centre crop. With `world_size` > 1, every process calls this with its `rank`, in a `torch.distributed`
-    process group (for the barrier before the merge). Returns this run's cost; a finished `out` is re-merged."""
-    started = time.monotonic()
+    process group (for the barrier before the merge). Returns this run's cost; a finished `out` is re-merged.
+
+    A dataset with aspect-ratio buckets (`data.params.buckets`) is written one bucket per subfolder,
+    `out/HxW/`, each a shard folder of its own, latents at the bucket's shape; buckets of fewer than
+    `min_bucket` images join their neighbour. `out`'s manifest lists them (`buckets`), and training deals
+    batches of one bucket each (`ldm.data.shards`)."""
     if chunk_size < 1 or batch_size < 1:
         raise PrecomputeError(f"--chunk-size and --batch-size: must be at least 1; got {chunk_size}, {batch_size}")
     _centre_crop(dataset, rank)
-    indices = _distinct_indices(dataset)
+    settings = (chunk_size, batch_size, num_workers, rank, world_size, shard_bytes)
+    if getattr(dataset, "shapes", None) is None:
+        return _precompute(model, dataset, _distinct_indices(dataset), Path(out), source, *settings)
+    bucket_of = dataset.assign_buckets(min_bucket)
+    members: dict[int, list[int]] = {}
+    for index in _distinct_indices(dataset):
+        members.setdefault(bucket_of[index], []).append(index)
+    folders, costs = {}, []
+    for bucket in sorted(members):
+        height, width = dataset.shapes[bucket]
+        folders[f"{height}x{width}"] = [height, width]
+        costs.append(_precompute(model, dataset, members[bucket], Path(out) / f"{height}x{width}", source, *settings))
+    if rank == 0:
+        _finish_buckets(Path(out), folders)
+    return Cost(*(sum(getattr(c, field) for c in costs) for field in ("examples", "skipped", "bytes", "seconds")))
+
+
+def _precompute(
+    model: Any,
+    dataset: Dataset,
+    indices: list[int],
+    out: Path,
+    source: str,
+    chunk_size: int,
+    batch_size: int,
+    num_workers: int,
+    rank: int,
+    world_size: int,
+    shard_bytes: int,
+) -> Cost:
+    """`precompute` of the dataset's examples `indices` into the shard folder `out`."""
+    started = time.monotonic()
     chunks = [indices[i : i + chunk_size] for i in range(0, len(indices), chunk_size)]
-    out = Path(out)
     finished = _check_out(out, source, chunk_size, len(indices))
     if world_size > 1:
         dist.barrier()  # every process has seen the same finished chunks before any writes
@@ -355,6 +390,21 @@ def _finish(
         "images_per_second": count / seconds if seconds else 0.0,  # per process
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _finish_buckets(out: Path, folders: dict[str, list[int]]) -> None:
+    """`out`'s manifest for bucket subfolders: what they share (encoders, conditioning, ...) and each bucket's
+    folder, image shape, latent shape and count; the empty caption's conditioning beside it."""
+    manifests = {folder: json.loads((out / folder / MANIFEST).read_text()) for folder in folders}
+    first = next(iter(manifests.values()))
+    buckets = [{"folder": folder, "shape": shape, "latent_shape": manifests[folder]["latent_shape"],
+                "count": manifests[folder]["count"]} for folder, shape in folders.items()]  # fmt: skip
+    shared = {k: v for k, v in first.items() if k not in ("latent_shape", "resolution", "chunks", "bytes")}
+    totals = {key: sum(m[key] for m in manifests.values()) for key in ("count", "skipped", "dataset_size")}
+    manifest = {**shared, **totals, "latent_shape": first["latent_shape"], "buckets": buckets}
+    shutil.copyfile(out / next(iter(folders)) / UNCONDITIONAL, out / UNCONDITIONAL)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    log.info("precompute: %d buckets (%s)", len(buckets), ", ".join(f"{b['folder']}: {b['count']}" for b in buckets))
 
 
 def _describe_encoders(model: Any) -> dict:

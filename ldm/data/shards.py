@@ -14,6 +14,10 @@ the model keys its noise (`LatentDiffusion.draws`): not from a rank's random sta
 position in that order as a global sample offset: a resumed run continues with the samples an unbroken run saw,
 on any number of processes at the same global batch.
 
+A source precomputed with aspect-ratio buckets (`OUT/HxW/` shard folders, listed in its manifest) is read as
+one stream per bucket, weighted by its share of the source, with the library's `per_stream` batching: every
+global batch comes from one bucket, in an order that is again a function of the seed alone.
+
 The examples hold the latents and the text conditioning, so the VAE encoder and the text encoder do not run
 in training; the model still loads them, frozen: sample grids and exports use them.
 
@@ -229,13 +233,21 @@ class ShardDataModule(pl.LightningDataModule):
         source.setdefault("name", Path(source["path"].rstrip("/")).name)
         return source
 
-    def _stream(self, source: dict) -> Stream:
-        """The library's stream of a source: a local folder read in place, or a remote copied to its cache."""
+    def _stream(self, source: dict, bucket: dict | None = None, count: int = 0) -> Stream:
+        """The library's stream of a source, or of one `bucket` of a bucketed source of `count` samples (its
+        share of the source's weight): a local folder read in place, or a remote copied to its cache."""
         weights = {k: source[k] for k in ("proportion", "repeat", "choose") if source.get(k) is not None}
+        sub = ""
+        if bucket is not None:
+            sub = bucket["folder"]
+            share = bucket["count"] / count
+            weights = {k: v if k == "repeat" else (v * share if k == "proportion" else round(v * share))
+                       for k, v in weights.items()}  # fmt: skip
         if "://" in source["path"] or source.get("cache"):
-            cache = Path(source.get("cache") or self.cache_dir / source["name"]).expanduser()
-            return Stream(remote=source["path"], local=str(cache), download_timeout=self.download_timeout, **weights)
-        return Stream(local=str(Path(source["path"]).expanduser()), **weights)
+            cache = Path(source.get("cache") or self.cache_dir / source["name"]).expanduser() / sub
+            remote = source["path"].rstrip("/") + (f"/{sub}" if sub else "")
+            return Stream(remote=remote, local=str(cache), download_timeout=self.download_timeout, **weights)
+        return Stream(local=str(Path(source["path"]).expanduser() / sub), **weights)
 
     def _manifest(self, i: int, stream: Stream) -> dict:
         """A source's manifest and empty-caption conditioning, fetched into its cache first if it is remote."""
@@ -273,6 +285,17 @@ class ShardDataModule(pl.LightningDataModule):
                         f"sources[0]'s ({self.sources[i]['path']} vs {self.sources[0]['path']}); precompute both "
                         "with the same model config"
                     )
+        bucketed = [i for i, manifest in enumerate(self.manifests) if manifest.get("buckets")]
+        if bucketed:  # one stream per bucket; the library's per_stream batching keeps each batch to one
+            streams = [
+                stream
+                for i, (source, manifest) in enumerate(zip(self.sources, self.manifests))
+                for stream in (
+                    [self._stream(source, bucket, manifest["count"]) for bucket in manifest["buckets"]]
+                    if i in bucketed
+                    else [streams[i]]
+                )
+            ]
         if self.free_stale_shared_memory:
             self._free_leftovers(streams)
         try:
@@ -282,7 +305,8 @@ class ShardDataModule(pl.LightningDataModule):
                 shuffle=self.shuffle,
                 shuffle_seed=self.seed,
                 num_canonical_nodes=self.num_canonical_nodes,
-                batching_method="random",  # one global order dealt to the ranks (the library's default, stated)
+                # one global order dealt to the ranks (the library's default, stated), or batches of one bucket
+                batching_method="per_stream" if bucketed else "random",
                 epoch_size=self.epoch_size,
                 predownload=self.predownload or 8 * self.batch_size,  # the library's default, stated
                 shuffle_block_size=max(4_000_000 // self.num_canonical_nodes, 1 << 18),  # likewise
@@ -357,6 +381,7 @@ class ShardDataModule(pl.LightningDataModule):
             "num_canonical_nodes": self.num_canonical_nodes,
             "epoch_size": self.dataset.epoch_size,
         }
+        self._log_buckets(self.batch_size * world_size)
         return _ShardLoader(
             self.dataset,
             batch_size=self.batch_size,
@@ -368,6 +393,25 @@ class ShardDataModule(pl.LightningDataModule):
             order=order,
             inexact_resume=self.inexact_resume,
         )
+
+    def _log_buckets(self, global_batch: int) -> None:
+        """Say what each bucketed source holds, and which of its buckets cannot fill a global batch (the library
+        leaves their samples out)."""
+        for i, (source, manifest) in enumerate(zip(self.sources, self.manifests)):
+            buckets = manifest.get("buckets") or []
+            if not buckets:
+                continue
+            log.info(
+                "buckets: source %s: %s", source["name"], ", ".join(f"{b['folder']}: {b['count']}" for b in buckets)
+            )
+            for bucket in buckets:
+                if bucket["count"] < global_batch:
+                    log.warning(
+                        "buckets: data.params.sources[%d] (%s) bucket %s holds %d samples, fewer than a global batch "
+                        "of %d: they are not trained on; precompute with --min-bucket %d to merge it into its "
+                        "neighbour",
+                        i, source["name"], bucket["folder"], bucket["count"], global_batch, global_batch,
+                    )  # fmt: skip
 
     def _check_fits(self, model: pl.LightningModule) -> None:
         """Refuse shards whose latents or text states the model's denoiser cannot take (another model family)."""
