@@ -9,6 +9,7 @@ transformers `CLIPTextModel` and `CLIPTokenizer`. Nothing here reaches a model h
 from __future__ import annotations
 
 import inspect
+import json
 import tempfile
 from pathlib import Path
 from typing import Any, TypedDict
@@ -22,6 +23,8 @@ from ldm.config import ConfigError, ExistingPath, import_target
 # The parts of a Stable Diffusion 1.x / 2.x model, as `model.params` and a diffusers folder name them.
 NETWORK_PARTS = ("unet", "vae", "text_encoder")
 PART_NAMES = (*NETWORK_PARTS, "tokenizer", "scheduler")
+# Parts a family may add (SDXL's second text encoder): built where a spec gives them or a diffusers folder has them.
+OPTIONAL_PARTS = ("text_encoder_2", "tokenizer_2")
 
 DEFAULT_CLASSES = {
     "unet": "diffusers.UNet2DConditionModel",
@@ -29,6 +32,8 @@ DEFAULT_CLASSES = {
     "text_encoder": "transformers.CLIPTextModel",
     "tokenizer": "transformers.CLIPTokenizer",
     "scheduler": "diffusers.DDPMScheduler",
+    "text_encoder_2": "transformers.CLIPTextModelWithProjection",
+    "tokenizer_2": "transformers.CLIPTokenizer",
 }
 
 
@@ -50,14 +55,24 @@ def build_parts(
 ) -> Parts:
     """Build every part: a module (or tokenizer, scheduler) passes through, a spec is built, a missing
     one is taken from `base` (parts already read) or else is the part's subfolder of the diffusers
-    folder `pretrained`."""
+    folder `pretrained`; an optional part (`OPTIONAL_PARTS`) only where it is given or the folder has it."""
     built = Parts(base or {})
-    for name in PART_NAMES:
-        if specs.get(name) is None and base is not None:
+    listed = folder_parts(pretrained) if base is None else set()
+    for name in (*PART_NAMES, *OPTIONAL_PARTS):
+        if specs.get(name) is None and (base is not None or name in OPTIONAL_PARTS and name not in listed):
             continue
         spec = part_spec(name, specs.get(name), pretrained, key)
         built[name] = build_part(name, spec, f"{key}.{name}") if isinstance(spec, dict) else spec
     return built
+
+
+def folder_parts(pretrained: str | None) -> set[str]:
+    """The parts a diffusers folder's `model_index.json` lists (with a class, not null); none without one."""
+    index = Path(pretrained).expanduser() / "model_index.json" if pretrained is not None else None
+    if index is None or not index.is_file():
+        return set()
+    listed = json.loads(index.read_text())
+    return {name for name, entry in listed.items() if isinstance(entry, list) and entry[-1] is not None}
 
 
 def part_spec(name: str, spec: Any, pretrained: str | None, key: str = "model.params") -> Any:
@@ -101,7 +116,7 @@ def build_part(name: str, spec: dict, key: str) -> Any:
 
 
 def _from_config(name: str, cls: type, config: dict, key: str) -> Any:
-    if name == "tokenizer":
+    if name.startswith("tokenizer"):
         return _tokenizer_from_config(cls, config, key)
     is_transformers_model = hasattr(cls, "config_class") and not hasattr(cls, "from_config")
     _check_keys(config, inspect.signature((cls.config_class if is_transformers_model else cls).__init__), key)

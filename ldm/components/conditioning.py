@@ -1,22 +1,34 @@
-"""Captions to the denoiser's conditioning: which text parts encode them, and into what `cond` mapping.
+"""Captions (and, for some families, each image's size and crop) to the denoiser's conditioning.
 
-The system is given one by name (`LatentDiffusion(conditioning=...)`); SD 1.x / 2.x use `clip`. Each
-returns the mapping the denoiser call takes (`ldm.backbones`): `encoder_hidden_states`, and where a
-family has them, `text_embeds` (pooled) and the like. A family with two text encoders (SDXL) adds an
-entry here that reads `text_encoder_2` / `tokenizer_2` too.
+A system's conditioning is named (`LatentDiffusion(conditioning=...)`) or follows its parts
+(`conditioning_for`): SD 1.x / 2.x use `clip`. Each returns the mapping the denoiser call takes
+(`ldm.backbones`): `encoder_hidden_states`, and where a family has them, `text_embeds` (pooled) and the
+like. The caption part is cached by latent caches and shards; the image part (SDXL's `time_ids`) is made
+per batch from the sizes the data records (`original_size`, `crop_top_left`) and the size trained at.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-Conditioning = Callable[[Mapping[str, Any], Sequence[str], torch.device], dict[str, torch.Tensor]]
+TextEncoding = Callable[[Mapping[str, object], Sequence[str], torch.device], dict[str, torch.Tensor]]
+ImageEncoding = Callable[[Mapping[str, object], tuple[int, int], torch.device], dict[str, torch.Tensor]]
 
 
-def clip_last_hidden_state(parts: Mapping[str, Any], captions: Sequence[str], device: torch.device) -> dict:
+@dataclass(frozen=True)
+class Conditioning:
+    """How a family conditions its denoiser: `text` encodes captions with the `text_parts`; `image`, where the
+    family has it, makes a batch's per-image conditioning from the batch and the (height, width) trained at."""
+
+    text_parts: tuple[str, ...]
+    text: TextEncoding
+    image: ImageEncoding | None = None
+
+
+def clip_last_hidden_state(parts: Mapping[str, object], captions: Sequence[str], device: torch.device) -> dict:
     """SD 1.x / 2.x: the text encoder's last hidden states of the captions, padded to the tokenizer's length."""
     tokenizer = parts["tokenizer"]
     padded = {"padding": "max_length", "max_length": tokenizer.model_max_length, "truncation": True}
@@ -24,5 +36,14 @@ def clip_last_hidden_state(parts: Mapping[str, Any], captions: Sequence[str], de
     return {"encoder_hidden_states": parts["text_encoder"](ids)[0]}
 
 
-CONDITIONINGS: dict[str, Conditioning] = {"clip": clip_last_hidden_state}
-TEXT_PARTS = {"clip": ("tokenizer", "text_encoder")}  # the parts each conditioning reads
+CONDITIONINGS: dict[str, Conditioning] = {
+    "clip": Conditioning(("tokenizer", "text_encoder"), clip_last_hidden_state),
+}
+
+
+def conditioning_for(parts: Mapping[str, object]) -> str:
+    """The conditioning of `parts`: the one that reads the most of their text parts, all of which they have."""
+    fitting = [name for name, c in CONDITIONINGS.items() if all(p in parts for p in c.text_parts)]
+    if not fitting:
+        raise ValueError(f"no conditioning fits parts {', '.join(parts)}: each needs a tokenizer and text encoder")
+    return max(fitting, key=lambda name: len(CONDITIONINGS[name].text_parts))

@@ -18,8 +18,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ldm.config import ConfigError, TargetSpec, instantiate
 from ldm.data.buckets import BucketBatchSampler
+from ldm.utils import stacked_pairs
 
 log = logging.getLogger(__name__)
+SIZE_KEYS = {"original_size", "crop_top_left"}  # what an image's size conditioning is made of (SDXL), kept by caches
 
 
 class ResumableSampler(Sampler):
@@ -120,12 +122,19 @@ def _once_each(dataset: Dataset) -> tuple[Dataset, torch.Tensor | None]:
 
 class _LatentCache(Dataset):
     """Examples whose images were encoded once: the VAE posterior's mean and, when the model draws
-    from the posterior each step, its standard deviation; index i serves row `rows[i]` (i if None)."""
+    from the posterior each step, its standard deviation, with each image's size and crop where the data
+    records them (`SIZE_KEYS`); index i serves row `rows[i]` (i if None)."""
 
     def __init__(
-        self, latents: torch.Tensor, stds: torch.Tensor | None, captions: list[str], rows: torch.Tensor | None
+        self,
+        latents: torch.Tensor,
+        stds: torch.Tensor | None,
+        captions: list[str],
+        rows: torch.Tensor | None,
+        sizes: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.latents, self.stds, self.captions, self.rows = latents, stds, captions, rows
+        self.sizes = sizes or {}
 
     def __len__(self) -> int:
         return len(self.captions) if self.rows is None else len(self.rows)
@@ -135,6 +144,7 @@ class _LatentCache(Dataset):
         example = {"latents": self.latents[row], "caption": self.captions[row]}
         if self.stds is not None:
             example["latent_std"] = self.stds[row]
+        example.update({key: values[row] for key, values in self.sizes.items()})
         return example
 
 
@@ -251,7 +261,7 @@ class DataModule(pl.LightningDataModule):
     @torch.no_grad()
     def _encode_all(self, dataset: Dataset) -> Dataset:
         model = self.trainer.lightning_module
-        means, stds, captions = [], [], []
+        means, stds, captions, sizes = [], [], [], {}
         once, rows = _once_each(dataset)
         for batch in self._one_pass(once):
             mean, std = model.encode_posterior(batch["pixel_values"])  # std is None unless model.sample_latents
@@ -259,18 +269,21 @@ class DataModule(pl.LightningDataModule):
             if std is not None:
                 stds.append(std.cpu())
             captions.extend(batch["caption"])
+            for key in SIZE_KEYS & batch.keys():
+                sizes.setdefault(key, []).append(stacked_pairs(batch[key]))
         kept = "posterior mean and deviation; a latent is drawn from them each step" if stds else "mean"
         log.info("cache_latents: encoded %d images once with the model's VAE (%s)", len(captions), kept)
-        return _LatentCache(torch.cat(means), torch.cat(stds) if stds else None, captions, rows)
+        sizes = {key: torch.cat(values) for key, values in sizes.items()}
+        return _LatentCache(torch.cat(means), torch.cat(stds) if stds else None, captions, rows, sizes)
 
     @torch.no_grad()
     def _encode_captions(self, dataset: Dataset) -> _TextCache:
         """Encode every distinct caption once with the model's frozen text encoder."""
         model = self.trainer.lightning_module
-        model.configure_model()
-        if "text_encoder" in model.trainable:
+        training = [name for name in model.text_parts if name in model.trainable]
+        if training:
             raise ConfigError(
-                "data.params.cache_text: the text encoder trains (model.params.trainable includes text_encoder), "
+                f"data.params.cache_text: the text encoder trains (model.params.trainable includes {training[0]}), "
                 "so its embeddings change every step; set cache_text: false or train the UNet only"
             )
         if isinstance(dataset, _LatentCache):

@@ -28,7 +28,6 @@ from streaming.base.util import get_index_basename, merge_index
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ldm.components import Parts
-from ldm.components.conditioning import TEXT_PARTS
 from ldm.components.describe import describe_parts
 from ldm.data import _once_each
 from ldm.data.folder import BAD_SAMPLES, FolderDataset
@@ -409,7 +408,7 @@ def _finish_buckets(out: Path, folders: dict[str, list[int]]) -> None:
 
 def _describe_encoders(model: Any) -> dict:
     """The VAE's and text encoders' classes and configs (`describe_parts`), without where they were loaded from."""
-    names = ("vae", *TEXT_PARTS[model.conditioning])
+    names = ("vae", *model.text_parts)
     described = describe_parts(Parts((name, part) for name, part in model.parts.networks.items() if name in names))
     for entry in described.values():
         entry["config"] = {k: v for k, v in entry["config"].items() if not k.startswith("_") and k not in PROVENANCE}

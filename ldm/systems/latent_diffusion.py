@@ -18,7 +18,7 @@ import torch
 from ldm import diffusion
 from ldm.backbones import as_denoiser
 from ldm.components import Parts
-from ldm.components.conditioning import CONDITIONINGS, TEXT_PARTS
+from ldm.components.conditioning import CONDITIONINGS, conditioning_for
 from ldm.components.describe import describe_parts
 from ldm.components.lora import is_lora_key
 from ldm.config import ConfigError, import_target
@@ -82,7 +82,8 @@ class LatentDiffusion(pl.LightningModule):
     `parts` are the built parts, or a function that builds them: Lightning calls `configure_model`
     inside `fit`, so weights then load once the Trainer and its strategy exist. Each network becomes
     a submodule under its part name (`unet.…`, `vae.…` in the state dict); `denoiser` names the part
-    that denoises, `conditioning` how captions become its conditioning (`ldm.components.conditioning`).
+    that denoises, `conditioning` how captions become its conditioning (`ldm.components.conditioning`;
+    by default the one the parts have).
     `trainable` parts train; the others stay frozen, in eval mode. `lora` is the adapter spec the
     parts were given, if any: checkpoints then hold the adapters only.
     """
@@ -92,7 +93,7 @@ class LatentDiffusion(pl.LightningModule):
         parts: Parts | Callable[[], Parts],
         trainable: Sequence[str] = ("unet",),
         denoiser: str = "unet",
-        conditioning: str = "clip",
+        conditioning: str | None = None,
         snr_gamma: float | None = None,
         sample_latents: bool = True,
         optimization: Optimization | None = None,
@@ -103,7 +104,7 @@ class LatentDiffusion(pl.LightningModule):
         super().__init__()
         self._source: Parts | Callable[[], Parts] | None = parts
         self.trainable, self.denoiser_name = tuple(dict.fromkeys(trainable)), denoiser
-        if conditioning not in CONDITIONINGS:
+        if conditioning is not None and conditioning not in CONDITIONINGS:
             raise ConfigError(f"model.params.conditioning: got {conditioning!r}; valid: {', '.join(CONDITIONINGS)}")
         self.conditioning = conditioning
         self.snr_gamma, self.sample_latents = snr_gamma, sample_latents
@@ -132,6 +133,7 @@ class LatentDiffusion(pl.LightningModule):
             else:
                 self._others[name] = part
         self._names = tuple(parts)
+        self.conditioning = self.conditioning or conditioning_for(parts)
         self.train(self.training)  # parts arrive in the mode they were read or built in: trained ones follow the system
         scheduler = self._others["scheduler"]
         self.prediction_type = scheduler.config.get("prediction_type", "epsilon")
@@ -186,12 +188,27 @@ class LatentDiffusion(pl.LightningModule):
         std = posterior.std * self.latent_scale if self.sample_latents else None
         return posterior.mean * self.latent_scale, std
 
+    @property
+    def text_parts(self) -> tuple[str, ...]:
+        """The parts that encode captions (`ldm.components.conditioning`)."""
+        self.configure_model()
+        return CONDITIONINGS[self.conditioning].text_parts
+
     def encode_text(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
         """Captions to the denoiser's conditioning mapping, by the system's `conditioning`
         (`ldm.components.conditioning`); with gradients when a text part trains."""
-        trains = any(name in self.trainable for name in TEXT_PARTS[self.conditioning])
+        trains = any(name in self.trainable for name in self.text_parts)
         with torch.set_grad_enabled(trains and self.training):
-            return CONDITIONINGS[self.conditioning](self.parts, captions, self.device)
+            return CONDITIONINGS[self.conditioning].text(self.parts, captions, self.device)
+
+    def encode_image_sizes(self, batch: dict, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch's per-image conditioning, for families that have it (SDXL's size and crop ids), at the
+        image size its `latents` decode to; none for the others."""
+        image = CONDITIONINGS[self.conditioning].image
+        if image is None:
+            return {}
+        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        return image(batch, (latents.shape[-2] * factor, latents.shape[-1] * factor), latents.device)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         loss = self.loss(batch)
@@ -212,10 +229,10 @@ class LatentDiffusion(pl.LightningModule):
         draws = self.draws(batch)
         latents = diffusion.sample_posterior(mean, std, draws).to(dtype)
         cond = batch["cond"] if "cond" in batch else self.encode_text(batch["caption"])
-        cond = {k: v.to(dtype) for k, v in cond.items()}
-        if self.objective.zero_unconditional:
+        if self.objective.zero_unconditional:  # the caption's conditioning; an image's own (sizes) stays
             kept = torch.tensor([bool(c) for c in batch["caption"]], device=latents.device)
             cond = {k: v * kept.reshape(-1, *([1] * (v.ndim - 1))).to(v.dtype) for k, v in cond.items()}
+        cond = {k: v.to(dtype) for k, v in {**cond, **self.encode_image_sizes(batch, latents)}.items()}
         if self.objective.kind == "edm":
             return self._edm_loss(module, latents, cond, draws)
         if self.alphas_cumprod.device != latents.device:

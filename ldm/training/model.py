@@ -147,7 +147,7 @@ def latent_diffusion(
         pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora,
         dict(part_weights or {}), dict(architecture or {}), noise_schedule, scaling_factor,
     )  # fmt: skip
-    system = System(build, trainable, "unet", "clip", snr_gamma, sample_latents, optimization, lora, nonfinite_loss,
+    system = System(build, trainable, "unet", None, snr_gamma, sample_latents, optimization, lora, nonfinite_loss,
                     training_objective)  # fmt: skip
     if all(isinstance(specs[name], torch.nn.Module) for name in NETWORK_PARTS):
         system.configure_model()  # networks passed in: nothing to load
@@ -199,6 +199,12 @@ class PartsForTraining:
                 pretrained_family=self.pretrained_family,
                 **self.specs,
             )
+        for name in self.trainable:
+            if name not in parts.networks:
+                raise ConfigError(
+                    f"model.params.trainable: {name!r}, but these weights have no {name}; they have "
+                    f"{', '.join(parts.networks)}"
+                )
         for name, path in self.part_weights.items():
             _load_part_weights(parts[name], Path(path).expanduser(), f"model.params.part_weights.{name}")
         for name, declared in self.architecture.items():

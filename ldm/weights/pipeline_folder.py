@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ldm.components import Parts
+from ldm.components.build import OPTIONAL_PARTS, folder_parts
 from ldm.components.tokenizers import write_both_tokenizer_forms
 from ldm.sampling import build_pipeline
 from ldm.utils.atomic import atomic_path, honour_umask
@@ -19,12 +20,12 @@ from ldm.weights.extras import writable, write_extras
 
 
 def write_pipeline(parts: Parts, out_dir: str | Path, sampler: str = "ddim", half: bool = False) -> Path:
-    """Write parts as a diffusers `StableDiffusionPipeline` folder that loads under transformers 4.51 and 5,
-    with the extras the parts carry (`ldm.weights.extras`) at its root."""
+    """Write parts as a diffusers pipeline folder (`ldm.sampling.build_pipeline`'s) that loads under transformers
+    4.51 and 5, with the extras the parts carry (`ldm.weights.extras`) at its root."""
     extras = writable(parts, half)  # before `half`: is the UNet still the one the EMA copy averages?
     pipe = build_pipeline(parts, sampler)
     if half:
-        for module in (parts.unet, pipe.vae, pipe.text_encoder):
+        for module in parts.networks.values():
             module.half()
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
@@ -46,14 +47,16 @@ def make_portable(folder: str | Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     folder = Path(folder)
-    config = json.loads((folder / "text_encoder" / "config.json").read_text())
-    for weights in sorted((folder / "text_encoder").glob("*.safetensors")):
-        state = load_file(str(weights))
-        if "CLIPTextModel" in config.get("architectures", []) and not all(
-            k.startswith(text_model.PREFIX) for k in state
-        ):
-            with atomic_path(weights) as partial:
-                save_file(text_model.with_prefix(state), str(partial), metadata={"format": "pt"})
+    for name in folder_parts(folder) & {"text_encoder", *OPTIONAL_PARTS}:
+        if name.startswith("tokenizer"):
+            write_both_tokenizer_forms(folder / name)
+            continue
+        config = json.loads((folder / name / "config.json").read_text())
+        for weights in sorted((folder / name).glob("*.safetensors")):
+            state = load_file(str(weights))
+            if text_model.takes_prefix(config) and not all(k.startswith(text_model.PREFIX) for k in state):
+                with atomic_path(weights) as partial:
+                    save_file(text_model.with_prefix(state), str(partial), metadata={"format": "pt"})
     write_both_tokenizer_forms(folder / "tokenizer")
     honour_umask(folder)
     return folder

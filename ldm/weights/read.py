@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ldm.components import Parts
-from ldm.components.build import PART_NAMES, build_parts
+from ldm.components.build import OPTIONAL_PARTS, PART_NAMES, build_parts
 from ldm.components.describe import parts_from_description
 from ldm.components.lora import add_lora, is_lora_key, merged
 from ldm.config import ConfigError
@@ -141,7 +141,11 @@ def _part_state(state: dict, name: str) -> dict:
 
 def _parts_with_lora(ckpt: dict, state: dict, merge: bool) -> Parts:
     params = (ckpt["ldm"].get("config") or {}).get("model", {}).get("params", {})
-    base = {k: v for k, v in params.items() if k in ("pretrained", "pretrained_ema", "pretrained_family", *PART_NAMES)}
+    base = {
+        k: v
+        for k, v in params.items()
+        if k in ("pretrained", "pretrained_ema", "pretrained_family", *PART_NAMES, *OPTIONAL_PARTS)
+    }
     try:
         parts = load_pretrained(**base)
     except ConfigError as err:

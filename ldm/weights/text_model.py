@@ -30,3 +30,9 @@ def as_module_names(state: dict[str, torch.Tensor], module: torch.nn.Module) -> 
     if own and not any(k.startswith(PREFIX) for k in own):
         return {without_prefix(k): v for k, v in state.items()}
     return state
+
+
+def takes_prefix(config: dict) -> bool:
+    """Whether a saved text encoder (its `config.json`) is a `CLIPTextModel`, whose file lacks the level under
+    transformers >= 5.6 (`CLIPTextModelWithProjection` keeps it)."""
+    return "CLIPTextModel" in config.get("architectures", [])
