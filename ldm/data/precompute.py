@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -23,24 +22,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from streaming import MDSWriter
-from streaming.base.util import get_index_basename, merge_index
+from streaming.base.util import merge_index
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ldm.components import Parts
 from ldm.components.describe import describe_parts
 from ldm.data import _once_each
+from ldm.data.chunks import CHUNK, CHUNK_NAME, CHUNK_STATS, INDEX, ChunkWriter, shard_bytes
 from ldm.data.folder import BAD_SAMPLES, FolderDataset
 from ldm.data.images import BadImage
 from ldm.data.shard_format import FORMAT_VERSION, MANIFEST, UNCONDITIONAL, columns, to_row
 
 log = logging.getLogger(__name__)
 
-INDEX = get_index_basename()  # index.json: a chunk's, and the merged one at the top
-CHUNK = "chunk-{:05d}"
-CHUNK_NAME = re.compile(r"chunk-[0-9]{5}")
-# What a finished chunk was written from, as JSON; not named *.json, which merge_index would read as an index.
-CHUNK_STATS = "chunk_stats.txt"
 # Config entries that say where and by which library version a part was loaded, not what it computes.
 PROVENANCE = ("transformers_version", "torch_dtype")
 
@@ -145,7 +139,7 @@ def _precompute(
     unconditional = {name: value[0].float().cpu() for name, value in _encode_text(model, [""]).items()}
     if pending:
         items = [(k, index) for k in pending for index in chunks[k]]
-        writer = _ChunkWriter(out, columns(list(unconditional)), shard_bytes, record, len(chunks))
+        writer = ChunkWriter(out, columns(list(unconditional)), shard_bytes, record, len(chunks))
         loader = DataLoader(_Loading(dataset, items), batch_size=batch_size, num_workers=num_workers,
                             collate_fn=_collate, generator=torch.Generator())  # fmt: skip
         with writer:
@@ -253,7 +247,7 @@ def _encode_text(model: Any, captions: list[str]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _write_batch(model: Any, batch: dict[str, Any], writer: _ChunkWriter, source: str) -> None:
+def _write_batch(model: Any, batch: dict[str, Any], writer: ChunkWriter, source: str) -> None:
     """Encode a batch's good examples and write every item, in order, to its chunk (bad ones to its listing)."""
     good = [item for item in batch["items"] if item["example"] is not None]
     if good:
@@ -276,77 +270,11 @@ def _write_batch(model: Any, batch: dict[str, Any], writer: _ChunkWriter, source
         )
 
 
-class _ChunkWriter:
-    """Writes items chunk after chunk: opens a chunk's MDS writer at its first item, finishes it (bad files'
-    listing and stats first, `index.json` last) when the next chunk starts. Leaving the `with` block by an
-    error deletes the unfinished chunk, which the library's writer would otherwise mark finished."""
-
-    def __init__(self, out: Path, columns: dict[str, str], shard_bytes: int, record: dict, chunks: int) -> None:
-        self.out, self.columns, self.shard_bytes, self.record, self.chunks = out, columns, shard_bytes, record, chunks
-        self.chunk: int | None = None
-        self.writer: MDSWriter | None = None
-        self.examples, self.bad, self.seconds = 0, [], 0.0  # of the chunk being written
-        self.shapes: dict[str, list[int]] = {}  # of the last batch's latents and images, recorded in each chunk
-
-    def __enter__(self) -> _ChunkWriter:
-        return self
-
-    def __exit__(self, error_type: type | None, *_: Any) -> None:
-        if error_type is None:
-            self._close()
-        elif self.writer is not None:
-            self.writer.cancel_future_jobs()
-            shutil.rmtree(self.out / CHUNK.format(self.chunk), ignore_errors=True)
-
-    def write(self, chunk: int, row: dict[str, Any]) -> None:
-        self._switch(chunk)
-        self.writer.write(row)
-        self.examples += 1
-
-    def skip(self, chunk: int, line: str) -> None:
-        self._switch(chunk)
-        self.bad.append(line)
-
-    def charge(self, seconds: float) -> None:
-        """Count `seconds` of loading and encoding to the chunk being written (a batch's, once it is written)."""
-        self.seconds += seconds
-
-    def _switch(self, chunk: int) -> None:
-        if chunk == self.chunk:
-            return
-        self._close()
-        self.chunk, self.examples, self.bad, self.seconds = chunk, 0, [], 0.0
-        self.writer = MDSWriter(out=str(self.out / CHUNK.format(chunk)), columns=self.columns,
-                                size_limit=self.shard_bytes)  # fmt: skip
-
-    def _close(self) -> None:
-        if self.writer is None:
-            return
-        folder, seconds = self.out / CHUNK.format(self.chunk), self.seconds
-        if self.bad:
-            (folder / BAD_SAMPLES).write_text("".join(f"{line}\n" for line in self.bad), encoding="utf-8")
-        stats = {**self.record, "examples": self.examples, "skipped": len(self.bad), "seconds": seconds}
-        (folder / CHUNK_STATS).write_text(json.dumps({**stats, **(self.shapes if self.examples else {})}))
-        self.writer.finish()
-        self.writer = None
-        rate = f", {self.examples / seconds:.1f} images/s" if seconds else ""  # a batch's time goes to its last chunk
-        log.info(
-            "precompute: chunk %d of %d written (%d examples, %d skipped%s)",
-            self.chunk + 1, self.chunks, self.examples, len(self.bad), rate,
-        )  # fmt: skip
-
-
-def _shard_bytes(index: dict) -> int:
-    return sum(
-        shard[kind]["bytes"] for shard in index["shards"] for kind in ("raw_data", "zip_data") if shard.get(kind)
-    )
-
-
 def _cost(out: Path, chunks: list[int], seconds: float) -> Cost:
     """This run's cost: what the chunks it wrote hold, and how long it took."""
     folders = [out / CHUNK.format(k) for k in chunks]
     stats = [json.loads((folder / CHUNK_STATS).read_text()) for folder in folders]
-    written = sum(_shard_bytes(json.loads((folder / INDEX).read_text())) for folder in folders)
+    written = sum(shard_bytes(json.loads((folder / INDEX).read_text())) for folder in folders)
     return Cost(sum(s["examples"] for s in stats), sum(s["skipped"] for s in stats), written, seconds)
 
 
@@ -384,7 +312,7 @@ def _finish(
         "chunk_size": stats[0]["chunk_size"],
         "dataset_size": stats[0]["dataset_size"],
         "chunks": chunks,
-        "bytes": _shard_bytes(json.loads((out / INDEX).read_text())),
+        "bytes": shard_bytes(json.loads((out / INDEX).read_text())),
         "seconds": seconds,  # loading + encoding time summed over the chunks (and so over processes)
         "images_per_second": count / seconds if seconds else 0.0,  # per process
     }
