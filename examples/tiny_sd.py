@@ -1,9 +1,10 @@
 """Tiny Stable-Diffusion-shaped models with random weights, for tests and for trying the fine-tune path.
 
-    python -m examples.tiny_sd OUT [--prediction-type v_prediction] [--seed N]
+    python -m examples.tiny_sd OUT [--family sdxl] [--prediction-type v_prediction] [--seed N]
 
 writes a diffusers pipeline folder (16 px images, 4x8x8 latents) with the real SD 1.x CLIP
-tokenizer, built offline from open_clip_torch's BPE file.
+tokenizer, built offline from open_clip_torch's BPE file; `--family sdxl` an SDXL-shaped one (two text
+encoders, the second with a projection, and the UNet's size and crop conditioning).
 """
 
 from __future__ import annotations
@@ -11,8 +12,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from diffusers import (
+    AutoencoderKL,
+    EulerDiscreteScheduler,
+    PNDMScheduler,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from ldm.components.tokenizers import VOCAB_SIZE, write_clip_tokenizer
 from ldm.weights.pipeline_folder import make_portable
@@ -69,6 +77,22 @@ TINY_TEXT_ENCODER = dict(
     eos_token_id=49407,
     pad_token_id=49407,
 )
+# SDXL's layout at a tiny width: no attention at the first level, more transformer layers lower down, linear
+# projections, both text encoders' states side by side (32 + 32), and the pooled text (32) beside six size and
+# crop ids (6 x 8) in the added embedding.
+TINY_SDXL_UNET = dict(
+    TINY_UNET,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=(1, 2),
+    attention_head_dim=(2, 4),
+    cross_attention_dim=64,
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=32 + 6 * 8,
+)
+TINY_TEXT_ENCODER_2 = dict(TINY_TEXT_ENCODER, hidden_act="gelu", projection_dim=32)
 # The noise schedule of SD 1.x / 2.x.
 SD_SCHEDULE = dict(
     num_train_timesteps=1000,
@@ -109,13 +133,43 @@ def write_tiny_sd(
     return make_portable(out_dir)
 
 
+def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
+    """Write a tiny SDXL-shaped diffusers pipeline folder (16 px images, 4x8x8 latents) with random weights: the
+    SD 1.x tokenizer and one padding with "!" as SDXL's second, and SDXL's Euler scheduler config."""
+    import torch
+
+    torch.manual_seed(seed)
+    out_dir = Path(out_dir)
+    write_clip_tokenizer(out_dir / "tokenizer")
+    write_clip_tokenizer(out_dir / "tokenizer_2", pad_token="!")
+    pipe = StableDiffusionXLPipeline(
+        vae=AutoencoderKL(**TINY_VAE, scaling_factor=0.13025),
+        text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)),
+        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**TINY_TEXT_ENCODER_2)),
+        tokenizer=CLIPTokenizer.from_pretrained(out_dir / "tokenizer"),
+        tokenizer_2=CLIPTokenizer.from_pretrained(out_dir / "tokenizer_2"),
+        unet=UNet2DConditionModel(**TINY_SDXL_UNET),
+        scheduler=EulerDiscreteScheduler(
+            **{k: SD_SCHEDULE[k] for k in ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")},
+            steps_offset=1,
+            timestep_spacing="leading",
+            prediction_type=prediction_type,
+        ),
+        add_watermarker=False,
+    )
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    return make_portable(out_dir)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="output folder (a diffusers pipeline)")
+    parser.add_argument("--family", choices=["sd", "sdxl"], default="sd", help="SD 1.x-shaped (default) or SDXL")
     parser.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default="epsilon")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(write_tiny_sd(args.out, args.prediction_type, args.seed))
+    write = write_tiny_sdxl if args.family == "sdxl" else write_tiny_sd
+    print(write(args.out, args.prediction_type, args.seed))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffusers import StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
 from ldm.pipelines.microdit import MicroDiTPipeline
 from ldm.sampling import build_pipeline, inference_scheduler
@@ -18,14 +18,17 @@ from ldm.weights.single_file import save_single_file
 
 def load_pipeline(
     path: str | Path, sampler: str = "ddim", ema: bool = False
-) -> StableDiffusionPipeline | MicroDiTPipeline:
+) -> StableDiffusionPipeline | StableDiffusionXLPipeline | MicroDiTPipeline:
     """A pipeline from one of our checkpoints, an original single file, or a diffusers folder."""
     path = Path(path)
     if detect(path) is Format.DIFFUSERS:
         if ema:
             raise ValueError("--ema applies to checkpoints; an exported folder holds one set of weights")
-        if json.loads((path / "model_index.json").read_text()).get("_class_name") == MicroDiTPipeline.__name__:
+        kind = json.loads((path / "model_index.json").read_text()).get("_class_name")
+        if kind == MicroDiTPipeline.__name__:
             pipe = MicroDiTPipeline.from_pretrained(path, local_files_only=True)
+        elif kind == StableDiffusionXLPipeline.__name__:
+            pipe = StableDiffusionXLPipeline.from_pretrained(path, local_files_only=True, add_watermarker=False)
         else:
             pipe = StableDiffusionPipeline.from_pretrained(path, local_files_only=True, safety_checker=None)
         pipe.scheduler = inference_scheduler(pipe.scheduler, sampler)

@@ -1,12 +1,12 @@
-"""Sample from parts through a diffusers pipeline (`StableDiffusionPipeline` for a UNet, our `MicroDiTPipeline`
-for a MicroDiT), and lay images out in grids."""
+"""Sample from parts through a diffusers pipeline (`StableDiffusionPipeline` for a UNet,
+`StableDiffusionXLPipeline` for SDXL's, our `MicroDiTPipeline` for a MicroDiT), and lay images out in grids."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
 from PIL import Image, ImageDraw
 
 from ldm.backbones.microdit import MicroDiT
@@ -57,8 +57,9 @@ def check_samplable(parts: Parts) -> None:
 
 
 def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeline | MicroDiTPipeline:
-    """The pipeline of `parts` (shared, not copied): a `StableDiffusionPipeline` without a safety checker, or
-    a `MicroDiTPipeline` with an EDM scheduler."""
+    """The pipeline of `parts` (shared, not copied): a `StableDiffusionPipeline` without a safety checker, a
+    `StableDiffusionXLPipeline` without a watermarker for SDXL's parts, or a `MicroDiTPipeline` with an EDM
+    scheduler."""
     check_samplable(parts)
     if isinstance(parts.unet, MicroDiT):
         return MicroDiTPipeline(
@@ -67,6 +68,17 @@ def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeli
             text_encoder=parts.text_encoder,
             tokenizer=parts.tokenizer,
             scheduler=inference_scheduler(parts.scheduler, sampler),
+        )
+    if "text_encoder_2" in parts:
+        return StableDiffusionXLPipeline(
+            vae=parts.vae,
+            text_encoder=parts.text_encoder,
+            text_encoder_2=parts.text_encoder_2,
+            tokenizer=parts.tokenizer,
+            tokenizer_2=parts.tokenizer_2,
+            unet=parts.unet,
+            scheduler=inference_scheduler(parts.scheduler, sampler),
+            add_watermarker=False,
         )
     return StableDiffusionPipeline(
         vae=parts.vae,

@@ -26,6 +26,15 @@ PART_NAMES = (*NETWORK_PARTS, "tokenizer", "scheduler")
 # Parts a family may add (SDXL's second text encoder): built where a spec gives them or a diffusers folder has them.
 OPTIONAL_PARTS = ("text_encoder_2", "tokenizer_2")
 
+# Diffusers pipelines of models that are not trained here, by what they are.
+OTHER_PIPELINES = {
+    "StableDiffusionXLImg2ImgPipeline": "the SDXL refiner (an image-to-image model)",
+    "StableDiffusionXLInpaintPipeline": "an SDXL inpainting model",
+    "StableDiffusionInpaintPipeline": "an inpainting model",
+    "StableDiffusion3Pipeline": "Stable Diffusion 3 (an MMDiT)",
+    "FluxPipeline": "Flux",
+}
+
 DEFAULT_CLASSES = {
     "unet": "diffusers.UNet2DConditionModel",
     "vae": "diffusers.AutoencoderKL",
@@ -57,7 +66,7 @@ def build_parts(
     one is taken from `base` (parts already read) or else is the part's subfolder of the diffusers
     folder `pretrained`; an optional part (`OPTIONAL_PARTS`) only where it is given or the folder has it."""
     built = Parts(base or {})
-    listed = folder_parts(pretrained) if base is None else set()
+    listed = folder_parts(pretrained, f"{key}.pretrained") if base is None else set()
     for name in (*PART_NAMES, *OPTIONAL_PARTS):
         if specs.get(name) is None and (base is not None or name in OPTIONAL_PARTS and name not in listed):
             continue
@@ -66,12 +75,19 @@ def build_parts(
     return built
 
 
-def folder_parts(pretrained: str | None) -> set[str]:
-    """The parts a diffusers folder's `model_index.json` lists (with a class, not null); none without one."""
+def folder_parts(pretrained: str | None, key: str = "model.params.pretrained") -> set[str]:
+    """The parts a diffusers folder's `model_index.json` lists (with a class, not null); none without one. A
+    pipeline of a model ldm does not train (`OTHER_PIPELINES`) is refused by name, naming `key`."""
     index = Path(pretrained).expanduser() / "model_index.json" if pretrained is not None else None
     if index is None or not index.is_file():
         return set()
     listed = json.loads(index.read_text())
+    other = OTHER_PIPELINES.get(listed.get("_class_name"))
+    if other is not None:
+        raise ConfigError(
+            f"{key}: {pretrained} is {other} ({listed['_class_name']}); ldm trains Stable Diffusion 1.x, 2.x and "
+            "SDXL base text-to-image models"
+        )
     return {name for name, entry in listed.items() if isinstance(entry, list) and entry[-1] is not None}
 
 

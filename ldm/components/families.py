@@ -24,10 +24,11 @@ class Family:
 
     name: str
     title: str
-    text_layout: str  # "clip" (OpenAI CLIP, SD 1.x) or "open_clip" (OpenCLIP ViT-H, SD 2.x)
+    text_layout: str  # "clip" (OpenAI CLIP, SD 1.x), "open_clip" (OpenCLIP ViT-H, SD 2.x), "sdxl" (both)
     pad_token: str
     original_config: str  # the original inference YAML, in configs/models/original/
     networks: tuple[str, ...] = NETWORK_PARTS  # the parts with weights, each a folder of configs/models/<name>/
+    pad_token_2: str | None = None  # the second tokenizer's, for a family with two text encoders
 
     @property
     def folder(self) -> Path:
@@ -44,6 +45,15 @@ FAMILIES = {
         Family("sd15", "Stable Diffusion 1.x", "clip", "<|endoftext|>", "v1-inference.yaml"),
         Family("sd2-base", "Stable Diffusion 2.x 512-base", "open_clip", "!", "v2-inference.yaml"),
         Family("sd2-768-v", "Stable Diffusion 2.x 768-v", "open_clip", "!", "v2-inference-v.yaml"),
+        Family(
+            "sdxl",
+            "Stable Diffusion XL 1.0 base",
+            "sdxl",
+            "<|endoftext|>",
+            "sd_xl_base.yaml",
+            (*NETWORK_PARTS, "text_encoder_2"),
+            pad_token_2="!",
+        ),  # fmt: skip
     )
 }
 FamilyName = Literal[tuple(FAMILIES)]  # for signatures: config checks then list exactly the families above
@@ -60,7 +70,8 @@ def family_of(parts: Parts) -> Family | None:
             for k in ("hidden_size", "num_hidden_layers", "intermediate_size")
         )
         prediction = parts.scheduler.config.get("prediction_type", "epsilon")
-        if same_unet and same_text and prediction == family.prediction_type:
+        same_parts = ("text_encoder_2" in parts) == ("text_encoder_2" in family.networks)
+        if same_unet and same_text and same_parts and prediction == family.prediction_type:
             return family
     return None
 
@@ -77,6 +88,8 @@ def family_description(family: Family) -> dict:
         described[name] = {"class": DEFAULT_CLASSES[name], "config": config}
     scheduler = json.loads((family.folder / "scheduler" / "scheduler_config.json").read_text())
     described["scheduler"] = {"class": f"diffusers.{scheduler['_class_name']}", "config": scheduler}
-    files = tokenizer_files(lambda folder: write_clip_tokenizer(folder, pad_token=family.pad_token))
-    described["tokenizer"] = {"class": DEFAULT_CLASSES["tokenizer"], "files": files}
+    for name, pad in (("tokenizer", family.pad_token), ("tokenizer_2", family.pad_token_2)):
+        if pad is not None:
+            files = tokenizer_files(lambda folder, pad=pad: write_clip_tokenizer(folder, pad_token=pad))
+            described[name] = {"class": DEFAULT_CLASSES[name], "files": files}
     return described

@@ -74,6 +74,9 @@ def add_lora(
         raise ConfigError(f"{key}.{sorted(unknown)[0]}: unknown key; valid: {', '.join(LoraSpec.__annotations__)}")
     if int(spec.get("rank", DEFAULT_RANK)) < 1:
         raise ConfigError(f"{key}.rank: got {spec['rank']}; a LoRA rank is a positive integer")
+    if "text_encoder_2" in trainable:
+        raise ConfigError(f"{key}: adapters on SDXL's text_encoder_2 are not made yet (issue 18, part 3); train it "
+                          "fully, or adapt the unet and text_encoder")  # fmt: skip
     where = where or f"{key}.init_from"
     loaded = {}
     if spec.get("init_from"):

@@ -17,7 +17,15 @@ from typing import Any
 
 import torch
 
-from ldm.components.build import DEFAULT_CLASSES, NETWORK_PARTS, build_part, module_from_config, part_folder, part_spec
+from ldm.components.build import (
+    DEFAULT_CLASSES,
+    NETWORK_PARTS,
+    build_part,
+    folder_parts,
+    module_from_config,
+    part_folder,
+    part_spec,
+)
 from ldm.components.memory import DTYPES
 from ldm.config import ConfigError, import_target, to_plain
 from ldm.training.model import latent_diffusion
@@ -130,6 +138,11 @@ def plan_training_step(
     if precision not in ("32-true", "32", "bf16-mixed", "16-mixed"):
         raise ConfigError(
             f"lightning.trainer.precision: the planner knows 32-true, bf16-mixed, 16-mixed; got {precision}"
+        )
+    if params.get("text_encoder_2") or "text_encoder_2" in folder_parts(params.get("pretrained")):
+        raise ConfigError(
+            "model.params.pretrained: an SDXL model (two text encoders); the planner does not size SDXL yet "
+            "(issue 18, part 4)"
         )
     configs = {name: _part_config(params, name) for name in NETWORK_PARTS}
     tokenizer = _tokenizer(params, configs["text_encoder"][1])

@@ -64,7 +64,9 @@ def latent_diffusion(
     text_encoder: PartSpec | torch.nn.Module | None = None,
     tokenizer: PartSpec | Any = None,
     scheduler: PartSpec | Any = None,
-    trainable: Sequence[Literal["unet", "text_encoder"]] = ("unet",),
+    text_encoder_2: PartSpec | torch.nn.Module | None = None,
+    tokenizer_2: PartSpec | Any = None,
+    trainable: Sequence[Literal["unet", "text_encoder", "text_encoder_2"]] = ("unet",),
     prediction_type: Literal["epsilon", "v_prediction"] | None = None,
     learning_rate: float = 1e-4,
     optimizer: supplied("params", "lr") | None = None,
@@ -95,9 +97,9 @@ def latent_diffusion(
 
     Parts: `pretrained` (a diffusers folder, an original single file or one of our checkpoints) gives
     every part not given on its own (`unet`, `vae`, ... as `{pretrained, subfolder}` or `{config}`, or
-    a module). The prediction type follows the weights; `prediction_type` may set it only for parts
-    built from a config. `unet` may name any denoiser class (`target`) that takes the call
-    `denoiser(noisy, t, cond)` (see `ldm.backbones`).
+    a module; SDXL's `text_encoder_2` and `tokenizer_2` where its weights have them). The prediction type
+    follows the weights; `prediction_type` may set it only for parts built from a config. `unet` may name
+    any denoiser class (`target`) that takes the call `denoiser(noisy, t, cond)` (see `ldm.backbones`).
 
     `part_weights` loads a file of one part's weights (diffusers names, `.bin` / `.safetensors`) into the
     part built from its config; `architecture` lists configs the weights read must agree with; `lr_lambda`
@@ -135,7 +137,8 @@ def latent_diffusion(
     trainable = tuple(dict.fromkeys(trainable))
     if trainable_dtype == "bfloat16":
         _check_bf16_training(optimization.optimizer["target"], lora)
-    specs = {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler}
+    specs = {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler,
+             "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2}  # fmt: skip
     memory = {
         "attention": attention,
         "gradient_checkpointing": gradient_checkpointing,

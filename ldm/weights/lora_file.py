@@ -60,6 +60,11 @@ def save_kohya_lora(parts: Parts, out: str | Path, about: Mapping[str, str] | No
     """Write the parts' adapters as one kohya-format `.safetensors` file (see `kohya_path`)."""
     from safetensors.torch import save_file
 
+    if "text_encoder_2" in parts:
+        raise ValueError(
+            "an SDXL LoRA in the kohya format (lora_te1_ / lora_te2_) is not written yet (issue 18, part 3); "
+            "export the diffusers format (--format diffusers)"
+        )
     state = kohya_state_dict(parts)
     if not state:
         raise ValueError(_NO_ADAPTERS)

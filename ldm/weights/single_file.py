@@ -58,8 +58,10 @@ MODELSPEC_ARCHITECTURES = {
     "sd15": "stable-diffusion-v1",
     "sd2-base": "stable-diffusion-v2-512",
     "sd2-768-v": "stable-diffusion-v2-768-v",
+    "sdxl": "stable-diffusion-xl-v1-base",
 }
 MODELSPEC_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
+SUPPORTED = "ldm trains Stable Diffusion 1.x, 2.x and SDXL base text-to-image models"
 
 
 def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str, torch.Tensor]:
@@ -94,6 +96,11 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
     The text encoder's layout is `text_layout`, else the family's, else that of the file the parts were read from.
     For SD 2.x the original YAML goes beside it first (`config_beside`), so a published file always has it.
     """
+    if "text_encoder_2" in parts:
+        raise SingleFileError(
+            f"{path}: an SDXL single file is not written yet (issue 18, part 1); export a diffusers folder "
+            "(scripts/export_diffusers.py), which diffusers and ComfyUI load"
+        )
     family, extras = family_of(parts), extras_of(parts)
     layout = text_layout or (family.text_layout if family else extras.text_layout if extras else "clip")
     state = to_original(parts, layout, half)
@@ -191,6 +198,29 @@ def split_pickle(obj: Any, path: Path) -> tuple[dict[str, torch.Tensor], dict, A
     return state, obj.get(METADATA_KEY) or {}, obj.get("global_step")
 
 
+def _refuse_other_models(state: dict, where: str) -> None:
+    """Name the models a single file may hold that are not read here: SD3, Flux, SDXL's refiner and inpainting
+    models; and SDXL base, whose single files are not read yet."""
+    other = None
+    if any(k.startswith((UNET + "joint_blocks.", "joint_blocks.")) for k in state):
+        other = "Stable Diffusion 3 (an MMDiT)"
+    elif any(k.startswith((UNET + "double_blocks.", "double_blocks.")) for k in state):
+        other = "Flux"
+    elif any(k.startswith("conditioner.embedders.") for k in state):
+        conv_in = state.get(UNET + "input_blocks.0.0.weight")
+        if not any(k.startswith("conditioner.embedders.1.") for k in state):
+            other = "the SDXL refiner (one OpenCLIP text encoder, image to image)"
+        elif conv_in is not None and conv_in.shape[1] != 4:
+            other = f"an SDXL inpainting model ({conv_in.shape[1]} input channels)"
+        else:
+            raise SingleFileError(
+                f"{where}: SDXL base; its single files are not read yet (issue 18, part 1): give its diffusers "
+                "folder (model_index.json, unet/, text_encoder_2/, ...)"
+            )
+    if other is not None:
+        raise SingleFileError(f"{where}: {other}; {SUPPORTED}")
+
+
 def detect_family(
     state: dict, metadata: dict, global_step: Any = None, declared: str | None = None, where: str = "the file"
 ) -> tuple[Family | None, str]:
@@ -202,8 +232,7 @@ def detect_family(
         if declared and family and declared != family.name:
             raise SingleFileError(f"{where} says it is {family.name}, not {declared}; drop the family setting")
         return family, "from the file's ldm metadata"
-    if any(k.startswith("conditioner.embedders.") for k in state):
-        raise SingleFileError(f"{where}: an SDXL checkpoint; only SD 1.x and 2.x are supported")
+    _refuse_other_models(state, where)
     conv_in = state.get(UNET + "input_blocks.0.0.weight")
     if conv_in is None:
         raise SingleFileError(f"{where}: not a Stable Diffusion checkpoint (no {UNET}* weights)")

@@ -1,0 +1,175 @@
+"""SDXL: the family's real-size configs, its conditioning as diffusers computes it, and a tiny SDXL-shaped
+pipeline fine-tuned through main.py, resumed, exported and read back by diffusers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionXLPipeline
+
+from ldm.components.conditioning import CONDITIONINGS, conditioning_for, sdxl_time_ids
+from ldm.components.describe import parts_from_description
+from ldm.components.families import FAMILIES, family_description, family_of
+from ldm.config import ConfigError
+from ldm.export import export_pipeline, load_pipeline
+from ldm.sampling import build_pipeline, sample
+from ldm.weights.checkpoint import load_checkpoint
+from ldm.weights.read import parts_from_checkpoint, read_parts
+from tests.helpers import finetune_args, train_once
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl(tmp_path_factory):
+    from examples.tiny_sd import write_tiny_sdxl
+
+    return write_tiny_sdxl(tmp_path_factory.mktemp("tiny-sdxl"))
+
+
+def test_the_sdxl_family_is_sdxl_base_at_full_size():
+    """configs/models/sdxl/ builds SDXL 1.0 base's parts (on the meta device) with its parameter counts; the
+    parts are told apart from SD 1.x by the second text encoder and condition with both."""
+    parts = parts_from_description(family_description(FAMILIES["sdxl"]))
+    counts = {name: sum(p.numel() for p in module.parameters()) for name, module in parts.networks.items()}
+    assert counts == {"unet": 2_567_463_684, "vae": 83_653_863, "text_encoder": 123_060_480,
+                      "text_encoder_2": 694_659_840}  # fmt: skip
+    assert family_of(parts) is FAMILIES["sdxl"] and conditioning_for(parts) == "sdxl"
+    assert parts.tokenizer.pad_token == "<|endoftext|>" and parts.tokenizer_2.pad_token == "!"
+    assert parts.scheduler.config.prediction_type == "epsilon" and parts.vae.config.scaling_factor == 0.13025
+
+
+def test_sdxl_conditioning_is_what_the_diffusers_pipeline_computes(tiny_sdxl):
+    """Both encoders' penultimate states side by side, the second's pooled projection, and the size and crop ids
+    in diffusers' order (original height, width; crop top, left; target height, width)."""
+    parts = read_parts(tiny_sdxl)
+    assert family_of(parts) is None and conditioning_for(parts) == "sdxl"  # SDXL-shaped; not the released size
+    pipe = build_pipeline(parts)
+    captions = ["a photo of a cat", ""]
+    with torch.no_grad():
+        ours = CONDITIONINGS["sdxl"].text(parts, captions, torch.device("cpu"))
+        embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
+    assert ours["encoder_hidden_states"].shape == (2, 77, 64) and torch.equal(ours["encoder_hidden_states"], embeds)
+    assert torch.equal(ours["text_embeds"], pooled)
+    batch = {"caption": captions, "original_size": [torch.tensor([300, 20]), torch.tensor([400, 16])],
+             "crop_top_left": [torch.tensor([7, 0]), torch.tensor([0, 3])]}  # fmt: skip
+    ids = sdxl_time_ids(batch, (16, 24), torch.device("cpu"))["time_ids"]
+    expected = [pipe._get_add_time_ids(size, crop, (16, 24), torch.float32, text_encoder_projection_dim=32)[0]
+                for size, crop in (((300, 400), (7, 0)), ((20, 16), (0, 3)))]  # fmt: skip
+    assert torch.equal(ids, torch.stack(expected))
+    assert torch.equal(sdxl_time_ids({"caption": ["x"]}, (16, 24), torch.device("cpu"))["time_ids"],
+                       torch.tensor([[16.0, 24, 0, 0, 16, 24]]))  # fmt: skip
+
+
+def test_sdxl_time_ids_come_from_the_images_sizes_and_crops(tmp_path):
+    """A folder batch's time ids are each image's size before resizing and its crop, at the size trained."""
+    from ldm.data.folder import FolderDataModule
+    from tests.conftest import write_images
+
+    root = write_images(tmp_path / "images", n=2, size=(30, 20))  # 30 wide, 20 high
+    data = FolderDataModule(root=str(root), size=16, batch_size=2, num_workers=0)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    ids = sdxl_time_ids(batch, (16, 16), torch.device("cpu"))["time_ids"]
+    assert ids.tolist() == [[20, 30, 0, 4, 16, 16]] * 2  # resized to 16 x 24, the centre 16 columns kept
+
+
+def test_a_tiny_sdxl_fine_tunes_resumes_exports_and_reloads_in_diffusers(tiny_sdxl, image_folder, tmp_path):
+    """Full fine-tune of the UNet and both text encoders through main.py; a resume goes on from the last
+    checkpoint; the export loads in diffusers' StableDiffusionXLPipeline with the checkpoint's exact weights and
+    draws the same image for a seed."""
+    logs = tmp_path / "logs"
+    args = finetune_args(tiny_sdxl, image_folder, logs, "model.params.trainable=[unet,text_encoder,text_encoder_2]")
+    run_dir = train_once(args, logs)
+    ckpt_path = run_dir / "checkpoints" / "last.ckpt"
+    ckpt = load_checkpoint(ckpt_path)
+    assert ckpt["global_step"] == 3 and sorted(ckpt["ldm"]["parts"]) == sorted(
+        ["unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"]
+    )
+    base, trained = read_parts(tiny_sdxl), parts_from_checkpoint(ckpt)
+    for name in ("unet", "text_encoder", "text_encoder_2"):
+        before, after = base[name].state_dict(), trained[name].state_dict()
+        assert any(not torch.equal(before[k], after[k]) for k in before), f"{name} did not train"
+    assert all(torch.equal(v, trained.vae.state_dict()[k]) for k, v in base.vae.state_dict().items())
+    assert list((run_dir / "images").glob("step_*.png")), "the image logger sampled through the SDXL pipeline"
+
+    from main import main
+
+    assert main([*args, "lightning.trainer.max_steps=4", "-r", "auto"]) == 0
+    assert list(logs.iterdir()) == [run_dir] and load_checkpoint(ckpt_path)["global_step"] == 4
+
+    out = export_pipeline(ckpt_path, tmp_path / "exported")
+    reloaded = StableDiffusionXLPipeline.from_pretrained(out, local_files_only=True)
+    parts = parts_from_checkpoint(load_checkpoint(ckpt_path))
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        ours, theirs = parts[name].state_dict(), getattr(reloaded, name).state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    images = [sample(pipe, ["a photo of thing 1"], steps=2, seed=5, height=16, width=16)[0]
+              for pipe in (load_pipeline(ckpt_path), load_pipeline(out))]  # fmt: skip
+    assert np.array_equal(np.asarray(images[0]), np.asarray(images[1]))
+
+
+def test_training_the_second_text_encoder_needs_weights_that_have_one(tiny_sd):
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    with pytest.raises(ConfigError, match="model.params.trainable: 'text_encoder_2', but these weights have no"):
+        LatentDiffusion(pretrained=str(tiny_sd), trainable=["unet", "text_encoder_2"]).configure_model()
+
+
+def test_a_cached_sdxl_run_trains_exactly_as_encoding_every_step(tiny_sdxl, image_folder, tmp_path, capsys):
+    """Latents and both encoders' states encoded once train as encoding them every step: the cache keeps each
+    image's size and crop (20 x 24 here, trained at 16 x 16), so the size conditioning is the same too."""
+    import json
+
+    from main import main
+
+    def losses(name: str, *extra: str) -> list[float]:
+        logdir, rec = tmp_path / name, tmp_path / f"{name}.jsonl"
+        train_once(finetune_args(tiny_sdxl, image_folder, logdir, "lightning.callbacks.image_logger=null",
+                                 "data.params.flip=false", "data.params.caption_dropout=0.5",
+                                 "lightning.callbacks.rec.target=tests.helpers.RecordLosses",
+                                 f"lightning.callbacks.rec.params.path={rec}", *extra), logdir)  # fmt: skip
+        return [json.loads(line)["loss"] for line in rec.read_text().splitlines()]
+
+    every_step = losses("every_step")
+    cached = losses("cached", "data.params.cache_latents=true", "data.params.cache_text=true")
+    torch.testing.assert_close(torch.tensor(cached), torch.tensor(every_step), rtol=1e-5, atol=1e-6)
+    argv = finetune_args(tiny_sdxl, image_folder, tmp_path / "refused", "data.params.cache_text=true",
+                         "model.params.trainable=[unet,text_encoder_2]")  # fmt: skip
+    assert main(argv) == 2
+    assert "cache_text: the text encoder trains (model.params.trainable includes text_encoder_2)" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        (["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"], "Stable Diffusion 3"),
+        (["double_blocks.0.img_attn.qkv.weight"], "Flux"),
+        (["conditioner.embedders.0.model.token_embedding.weight"], "the SDXL refiner"),
+        (["conditioner.embedders.0.transformer.x", "conditioner.embedders.1.model.x", "inpaint"], "SDXL inpainting"),
+        (["conditioner.embedders.0.transformer.x", "conditioner.embedders.1.model.x"], "SDXL base; its single files"),
+    ],
+)
+def test_single_files_of_other_models_are_refused_by_name(keys, named):
+    from ldm.weights.single_file import SingleFileError, detect_family
+
+    channels = 9 if "inpaint" in keys else 4
+    state = {k: torch.zeros(1) for k in keys if k != "inpaint"}
+    state["model.diffusion_model.input_blocks.0.0.weight"] = torch.zeros(320, channels, 3, 3)
+    with pytest.raises(SingleFileError, match=named):
+        detect_family(state, {}, where="x.safetensors")
+
+
+def test_diffusers_folders_of_other_models_are_refused_by_name(tmp_path):
+    import json
+
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    folder = tmp_path / "refiner"
+    folder.mkdir()
+    index = {"_class_name": "StableDiffusionXLImg2ImgPipeline", "text_encoder": [None, None],
+             "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}  # fmt: skip
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"model.params.pretrained: .*refiner is the SDXL refiner .*Img2Img"):
+        LatentDiffusion(pretrained=str(folder)).configure_model()
