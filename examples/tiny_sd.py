@@ -78,21 +78,24 @@ TINY_TEXT_ENCODER = dict(
     pad_token_id=49407,
 )
 # SDXL's layout at a tiny width: no attention at the first level, more transformer layers lower down, linear
-# projections, both text encoders' states side by side (32 + 32), and the pooled text (32) beside six size and
-# crop ids (6 x 8) in the added embedding.
+# projections, both text encoders' states side by side (32 + 48), and the pooled text (32) beside six size and
+# crop ids (6 x 8) in the added embedding. The encoders' widths differ, as SDXL's do: readers of single files
+# tell the two apart by them.
 TINY_SDXL_UNET = dict(
     TINY_UNET,
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
     up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
     transformer_layers_per_block=(1, 2),
     attention_head_dim=(2, 4),
-    cross_attention_dim=64,
+    cross_attention_dim=32 + 48,
     use_linear_projection=True,
     addition_embed_type="text_time",
     addition_time_embed_dim=8,
     projection_class_embeddings_input_dim=32 + 6 * 8,
 )
-TINY_TEXT_ENCODER_2 = dict(TINY_TEXT_ENCODER, hidden_act="gelu", projection_dim=32)
+TINY_TEXT_ENCODER_2 = dict(
+    TINY_TEXT_ENCODER, hidden_size=48, intermediate_size=96, hidden_act="gelu", projection_dim=32
+)
 # The noise schedule of SD 1.x / 2.x.
 SD_SCHEDULE = dict(
     num_train_timesteps=1000,

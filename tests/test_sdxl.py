@@ -48,7 +48,7 @@ def test_sdxl_conditioning_is_what_the_diffusers_pipeline_computes(tiny_sdxl):
     with torch.no_grad():
         ours = CONDITIONINGS["sdxl"].text(parts, captions, torch.device("cpu"))
         embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
-    assert ours["encoder_hidden_states"].shape == (2, 77, 64) and torch.equal(ours["encoder_hidden_states"], embeds)
+    assert ours["encoder_hidden_states"].shape == (2, 77, 80) and torch.equal(ours["encoder_hidden_states"], embeds)
     assert torch.equal(ours["text_embeds"], pooled)
     batch = {"caption": captions, "original_size": [torch.tensor([300, 20]), torch.tensor([400, 16])],
              "crop_top_left": [torch.tensor([7, 0]), torch.tensor([0, 3])]}  # fmt: skip
@@ -148,7 +148,6 @@ def test_a_cached_sdxl_run_trains_exactly_as_encoding_every_step(tiny_sdxl, imag
         (["double_blocks.0.img_attn.qkv.weight"], "Flux"),
         (["conditioner.embedders.0.model.token_embedding.weight"], "the SDXL refiner"),
         (["conditioner.embedders.0.transformer.x", "conditioner.embedders.1.model.x", "inpaint"], "SDXL inpainting"),
-        (["conditioner.embedders.0.transformer.x", "conditioner.embedders.1.model.x"], "SDXL base; its single files"),
     ],
 )
 def test_single_files_of_other_models_are_refused_by_name(keys, named):
@@ -173,3 +172,72 @@ def test_diffusers_folders_of_other_models_are_refused_by_name(tmp_path):
     (folder / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=r"model.params.pretrained: .*refiner is the SDXL refiner .*Img2Img"):
         LatentDiffusion(pretrained=str(folder)).configure_model()
+
+
+def test_real_size_sdxl_single_file_layout_is_what_diffusers_converts(tmp_path):
+    """SDXL base's parts at full size (meta tensors) written in the original layout: diffusers' own converters map
+    it onto exactly our parts' keys and shapes (UNet with its label_emb, VAE, CLIP ViT-L under embedders.0,
+    OpenCLIP ViT-bigG under embedders.1 with fused q/k/v and the transposed text_projection); the family is
+    detected from the keys, and the file says it is SDXL base at 1024 px."""
+    import diffusers.loaders.single_file_utils as reference
+
+    from ldm.weights.single_file import detect_family, modelspec, to_original
+
+    parts = parts_from_description(family_description(FAMILIES["sdxl"]))
+    state = to_original(parts, "sdxl")
+    converted = {
+        "unet": reference.convert_ldm_unet_checkpoint(state, dict(parts.unet.config)),
+        "vae": reference.convert_ldm_vae_checkpoint(state, dict(parts.vae.config)),
+        "text_encoder": reference.convert_ldm_clip_checkpoint(state),
+        "text_encoder_2": reference.convert_open_clip_checkpoint(
+            parts.text_encoder_2, state, prefix="conditioner.embedders.1.model."
+        ),
+    }
+    for name, theirs in converted.items():
+        theirs = {k.removeprefix("text_model."): v for k, v in theirs.items() if not k.endswith("position_ids")}
+        ours = {k.removeprefix("text_model."): v for k, v in parts[name].state_dict().items()}
+        assert theirs.keys() == ours.keys(), f"{name}: {sorted(set(theirs) ^ set(ours))[:4]}"
+        assert all(theirs[k].shape == ours[k].shape for k in ours), name
+    assert state["conditioner.embedders.1.model.text_projection"].shape == (1280, 1280)
+    assert sum(v.numel() for k, v in state.items() if k.startswith("model.diffusion_model.")) == 2_567_463_684
+    assert detect_family(state, {}) == (FAMILIES["sdxl"], "from its sdxl text encoder")
+    spec = modelspec(parts, FAMILIES["sdxl"], "my-sdxl")
+    assert spec["modelspec.architecture"] == "stable-diffusion-xl-v1-base"
+    assert spec["modelspec.resolution"] == "1024x1024"
+
+
+def test_a_tiny_sdxl_single_file_reads_back_here_and_in_diffusers(tiny_sdxl, tmp_path):
+    """A single file of an SDXL-shaped model holds every weight in the original layout; ldm and diffusers'
+    `StableDiffusionXLPipeline.from_single_file` read it back to identical tensors, and a fine-tune's export
+    goes the same way through scripts/convert.py's `convert`."""
+    from safetensors import safe_open
+
+    from ldm.export import convert
+
+    parts = read_parts(tiny_sdxl)
+    file = convert(tiny_sdxl, tmp_path / "tiny-sdxl.safetensors")
+    with safe_open(str(file), "pt") as handle:
+        keys = set(handle.keys())
+    assert {"model.diffusion_model.label_emb.0.0.weight", "conditioner.embedders.1.model.text_projection",
+            "conditioner.embedders.0.transformer.text_model.final_layer_norm.weight"} <= keys  # fmt: skip
+    ours = read_parts(file)
+    theirs = StableDiffusionXLPipeline.from_single_file(str(file), config=str(tiny_sdxl), local_files_only=True)
+    for name, module in parts.networks.items():
+        want = module.state_dict()
+        for got in (ours[name].state_dict(), getattr(theirs, name).state_dict()):
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+    assert conditioning_for(ours) == "sdxl" and ours.tokenizer_2.pad_token == "!"
+    from ldm.weights.lora_file import stored_dtypes  # what a LoRA merged into this file is written in
+
+    half = convert(tiny_sdxl, tmp_path / "half.safetensors", half=True)
+    assert stored_dtypes(half) == dict.fromkeys(["unet", "vae", "text_encoder", "text_encoder_2"], torch.float16)
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(file))  # a file as released holds tensors no part takes: they come back on export
+    state["conditioner.embedders.1.model.logit_scale"] = torch.tensor(4.6052)
+    with safe_open(str(file), "pt") as handle:
+        save_file(state, str(tmp_path / "with-extras.safetensors"), metadata=handle.metadata())
+    folder = convert(tmp_path / "with-extras.safetensors", tmp_path / "folder")
+    again = load_file(str(convert(folder, tmp_path / "again.safetensors")))
+    assert again.keys() == state.keys() and all(torch.equal(again[k], v) for k, v in state.items())

@@ -42,7 +42,7 @@ class Extras:
 
     tensors: dict[str, torch.Tensor]
     source: str  # where they were read from, for messages
-    text_layout: str  # of the file they come from ("clip" or "open_clip"): their names are in it
+    text_layout: str  # of the file they come from ("clip", "open_clip" or "sdxl"): their names are in it
     unet_fingerprint: str | None = None  # of the UNet the EMA copies average (`unet_fingerprint`); None without them
 
     @property

@@ -1,7 +1,8 @@
 """The original Stable Diffusion key layout (CompVis / Stability), generated from each part's config.
 
 Each map goes diffusers name -> original name; readers invert it, so the two directions cannot
-drift apart. OpenCLIP (SD 2.x) fuses q/k/v into one tensor: such keys map to (name, slot).
+drift apart. OpenCLIP (SD 2.x, SDXL's second text encoder) fuses q/k/v into one tensor: such keys map to
+(name, slot); its `text_projection` is the transpose of the diffusers weight (slot `TRANSPOSED`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ from ldm.weights.text_model import without_prefix
 
 UNET, VAE = "model.diffusion_model.", "first_stage_model."
 CLIP, OPEN_CLIP = "cond_stage_model.transformer.text_model.", "cond_stage_model.model."
+SDXL_CLIP, SDXL_OPEN_CLIP = "conditioner.embedders.0.transformer.text_model.", "conditioner.embedders.1.model."
+# Each text layout's text encoders: (part, prefix of its keys in the original file, CLIP or OpenCLIP names).
+TEXT_LAYOUTS = {
+    "clip": (("text_encoder", CLIP, "clip"),),
+    "open_clip": (("text_encoder", OPEN_CLIP, "open_clip"),),
+    "sdxl": (("text_encoder", SDXL_CLIP, "clip"), ("text_encoder_2", SDXL_OPEN_CLIP, "open_clip")),
+}
+TRANSPOSED = -1  # the slot of a weight the original file holds transposed
 EMA = "model_ema."  # the UNet's EMA copy, one flat name per weight, beside the raw weights in full checkpoints
 
 
@@ -27,6 +36,8 @@ _UNET_TOP = {
     "conv_in": "input_blocks.0.0",
     "conv_norm_out": "out.0",
     "conv_out": "out.2",
+    "add_embedding.linear_1": "label_emb.0.0",  # SDXL's pooled text and size ids
+    "add_embedding.linear_2": "label_emb.0.2",
 }
 _UNET_RESNET = {
     "norm1": "in_layers.0",
@@ -113,6 +124,8 @@ def _vae_name(key: str, config: dict) -> str:
 def _open_clip_name(key: str) -> tuple[str, int | None]:
     if key in _OPEN_CLIP_TOP:
         return _OPEN_CLIP_TOP[key], None
+    if key == "text_projection.weight":  # OpenCLIP projects with x @ P; a Linear's weight is P transposed
+        return "text_projection", TRANSPOSED
     m = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)", key)
     if not m:
         raise KeyError(key)
@@ -123,7 +136,8 @@ def _open_clip_name(key: str) -> tuple[str, int | None]:
 
 
 def original_names(parts: Parts, text_layout: str) -> dict[str, tuple[str, int | None]]:
-    """Our state-dict key (`unet.…`, `vae.…`, `text_encoder.…`) -> (original key, q/k/v slot or None)."""
+    """Our state-dict key (`unet.…`, `vae.…`, `text_encoder.…`, `text_encoder_2.…`) -> (original key, q/k/v
+    slot, `TRANSPOSED` or None)."""
     names: dict[str, tuple[str, int | None]] = {}
     for part, prefix, rename in (("unet", UNET, _unet_name), ("vae", VAE, _vae_name)):
         module = getattr(parts, part)
@@ -133,13 +147,16 @@ def original_names(parts: Parts, text_layout: str) -> dict[str, tuple[str, int |
                 names[f"{part}.{key}"] = (prefix + rename(key, config), None)
             except KeyError:
                 raise SingleFileError(f"{part} weight {key!r} has no place in the original layout") from None
-    for key in parts.text_encoder.state_dict():
-        plain = without_prefix(key)
-        try:
-            name, slot = (CLIP + plain, None) if text_layout == "clip" else _open_clip_name(plain)
-        except KeyError:
-            raise SingleFileError(f"text_encoder weight {key!r} has no place in the OpenCLIP layout") from None
-        names[f"text_encoder.{key}"] = (name if text_layout == "clip" else OPEN_CLIP + name, slot)
+    for part, prefix, kind in TEXT_LAYOUTS[text_layout]:
+        if part not in parts:
+            raise SingleFileError(f"the {text_layout} layout has a {part}, which these parts lack")
+        for key in parts[part].state_dict():
+            plain = without_prefix(key)
+            try:
+                name, slot = (plain, None) if kind == "clip" else _open_clip_name(plain)
+            except KeyError:
+                raise SingleFileError(f"{part} weight {key!r} has no place in the OpenCLIP layout") from None
+            names[f"{part}.{key}"] = (prefix + name, slot)
     return names
 
 
@@ -149,7 +166,10 @@ def ema_name(original: str) -> str:
 
 
 def text_layout_of(keys: Iterable[str]) -> str:
-    """The text encoder layout of an original state dict's keys: "open_clip" (SD 2.x) or "clip"."""
+    """The text encoder layout of an original state dict's keys: "sdxl", "open_clip" (SD 2.x) or "clip"."""
+    keys = list(keys)
+    if any(k.startswith(SDXL_OPEN_CLIP) for k in keys):
+        return "sdxl"
     return "open_clip" if any(k.startswith(OPEN_CLIP) for k in keys) else "clip"
 
 

@@ -158,7 +158,8 @@ def write_merged(parts: Parts, base: str | Path | None, out_dir: str | Path, hal
 _PART_PREFIXES = {
     "unet": ("unet.", UNET),
     "vae": ("vae.", VAE),
-    "text_encoder": ("text_encoder.", "cond_stage_model."),
+    "text_encoder": ("text_encoder.", "cond_stage_model.", "conditioner.embedders.0."),
+    "text_encoder_2": ("text_encoder_2.", "conditioner.embedders.1."),
 }
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 

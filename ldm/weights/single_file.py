@@ -2,7 +2,8 @@
 
 A1111, ComfyUI and the original `ldm` code read one `.safetensors` / `.ckpt` holding the UNet under
 `model.diffusion_model.`, the VAE under `first_stage_model.` and the text encoder under
-`cond_stage_model.` (OpenAI CLIP for SD 1.x; OpenCLIP for SD 2.x, with fused q/k/v).
+`cond_stage_model.` (OpenAI CLIP for SD 1.x; OpenCLIP for SD 2.x, with fused q/k/v); SDXL's two text encoders
+are under `conditioner.embedders.0.` (CLIP) and `conditioner.embedders.1.` (OpenCLIP).
 
 The model family (`ldm.components.families`) decides the architecture configs, the tokenizer and
 the prediction type: a file is never paired with a prediction type guessed in a config. The key
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 
 from ldm.components import Parts
-from ldm.components.build import NETWORK_PARTS
 from ldm.components.describe import describe_parts, parts_from_description
 from ldm.components.families import CONFIGS, FAMILIES, Family, family_description, family_of
 from ldm.utils.atomic import atomic_path
@@ -37,6 +37,8 @@ from ldm.weights.formats import PICKLE_SUFFIXES, is_our_checkpoint
 from ldm.weights.keymaps import (
     CLIP,
     OPEN_CLIP,
+    SDXL_OPEN_CLIP,
+    TRANSPOSED,
     UNET,
     SingleFileError,
     ema_name,
@@ -66,15 +68,15 @@ SUPPORTED = "ldm trains Stable Diffusion 1.x, 2.x and SDXL base text-to-image mo
 
 def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str, torch.Tensor]:
     """The parts' weights as one original-layout state dict (fp16 with `half`, else as they are)."""
-    state = {f"{part}.{k}": v for part in NETWORK_PARTS for k, v in parts[part].state_dict().items()}
+    state = {f"{part}.{k}": v for part, module in parts.networks.items() for k, v in module.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, list] = {}
     for ours, (original, slot) in original_names(parts, text_layout).items():
         tensor = state[ours].detach()
         if is_vae_attention_weight(original) and tensor.dim() == 2:
             tensor = tensor[:, :, None, None]
-        if slot is None:
-            out[original] = tensor
+        if slot is None or slot == TRANSPOSED:
+            out[original] = tensor if slot is None else tensor.T
         else:
             fused.setdefault(original, [None] * 3)[slot] = tensor
     out.update({k: torch.cat(chunks) for k, chunks in fused.items()})
@@ -96,13 +98,9 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
     The text encoder's layout is `text_layout`, else the family's, else that of the file the parts were read from.
     For SD 2.x the original YAML goes beside it first (`config_beside`), so a published file always has it.
     """
-    if "text_encoder_2" in parts:
-        raise SingleFileError(
-            f"{path}: an SDXL single file is not written yet (issue 18, part 1); export a diffusers folder "
-            "(scripts/export_diffusers.py), which diffusers and ComfyUI load"
-        )
     family, extras = family_of(parts), extras_of(parts)
-    layout = text_layout or (family.text_layout if family else extras.text_layout if extras else "clip")
+    own = "sdxl" if "text_encoder_2" in parts else "clip"
+    layout = text_layout or (family.text_layout if family else extras.text_layout if extras else own)
     state = to_original(parts, layout, half)
     state.update({k: v for k, v in writable(parts, half).items() if k not in state or k in PLACEHOLDERS})
     meta = {
@@ -200,7 +198,7 @@ def split_pickle(obj: Any, path: Path) -> tuple[dict[str, torch.Tensor], dict, A
 
 def _refuse_other_models(state: dict, where: str) -> None:
     """Name the models a single file may hold that are not read here: SD3, Flux, SDXL's refiner and inpainting
-    models; and SDXL base, whose single files are not read yet."""
+    models."""
     other = None
     if any(k.startswith((UNET + "joint_blocks.", "joint_blocks.")) for k in state):
         other = "Stable Diffusion 3 (an MMDiT)"
@@ -212,11 +210,6 @@ def _refuse_other_models(state: dict, where: str) -> None:
             other = "the SDXL refiner (one OpenCLIP text encoder, image to image)"
         elif conv_in is not None and conv_in.shape[1] != 4:
             other = f"an SDXL inpainting model ({conv_in.shape[1]} input channels)"
-        else:
-            raise SingleFileError(
-                f"{where}: SDXL base; its single files are not read yet (issue 18, part 1): give its diffusers "
-                "folder (model_index.json, unet/, text_encoder_2/, ...)"
-            )
     if other is not None:
         raise SingleFileError(f"{where}: {other}; {SUPPORTED}")
 
@@ -241,7 +234,9 @@ def detect_family(
             f"{where}: a UNet with {conv_in.shape[1]} input channels (inpainting or depth); "
             "only text-to-image models (4 channels) are supported"
         )
-    if CLIP + "embeddings.token_embedding.weight" in state:
+    if SDXL_OPEN_CLIP + "token_embedding.weight" in state:
+        layout = "sdxl"
+    elif CLIP + "embeddings.token_embedding.weight" in state:
         layout = "clip"
     elif OPEN_CLIP + "token_embedding.weight" in state:
         layout = "open_clip"
@@ -348,13 +343,15 @@ def _with_ema(state: dict, path: Path) -> dict:
 
 def _load_original(parts: Parts, state: dict, layout: str, path: Path) -> None:
     """Load an original-layout state dict into `parts` (built on the meta device), as float32."""
-    by_part: dict[str, dict] = {name: {} for name in NETWORK_PARTS}
+    by_part: dict[str, dict] = {name: {} for name in parts.networks}
     shapes = {part: {k: v.shape for k, v in getattr(parts, part).state_dict().items()} for part in by_part}
     for ours, (original, slot) in original_names(parts, layout).items():
         if original not in state:
             raise SingleFileError(f"{path}: missing weight {original} (for {ours}); is it a complete checkpoint?")
         tensor = state[original]
-        if slot is not None:
+        if slot == TRANSPOSED:
+            tensor = tensor.T.contiguous()
+        elif slot is not None:
             tensor = tensor.chunk(3)[slot].clone()  # its own storage: savers refuse tensors that share one
         part, _, key = ours.partition(".")
         expected = shapes[part][key]
