@@ -11,6 +11,7 @@ from diffusers import StableDiffusionXLPipeline
 from ldm.components.conditioning import CONDITIONINGS, conditioning_for, sdxl_time_ids
 from ldm.components.describe import parts_from_description
 from ldm.components.families import FAMILIES, family_description, family_of
+from ldm.components.lora_keys import lora_modules
 from ldm.config import ConfigError
 from ldm.export import export_pipeline, load_pipeline
 from ldm.sampling import build_pipeline, sample
@@ -241,3 +242,46 @@ def test_a_tiny_sdxl_single_file_reads_back_here_and_in_diffusers(tiny_sdxl, tmp
     folder = convert(tmp_path / "with-extras.safetensors", tmp_path / "folder")
     again = load_file(str(convert(folder, tmp_path / "again.safetensors")))
     assert again.keys() == state.keys() and all(torch.equal(again[k], v) for k, v in state.items())
+
+
+def test_an_sdxl_lora_on_the_unet_and_both_encoders_exports_as_kohya_and_diffusers_read_it(
+    tiny_sdxl, image_folder, tmp_path
+):
+    """LoRA adapters on the UNet and both text encoders through main.py; the kohya file names them as
+    sd-scripts' SDXL files do (lora_unet_ by the UNet's original paths, lora_te1_, lora_te2_), and diffusers'
+    `load_lora_weights` + `fuse_lora` of it, or of the diffusers-format file, gives exactly our merged weights;
+    the kohya file starts a new run's adapters where they were."""
+    from safetensors.torch import load_file
+
+    from ldm.components.lora_keys import read_adapters
+    from ldm.weights.lora_file import save_lora
+
+    logs = tmp_path / "logs"
+    run_dir = train_once(finetune_args(tiny_sdxl, image_folder, logs, "lightning.callbacks.image_logger=null",
+                                       "model.params.trainable=[unet,text_encoder,text_encoder_2]",
+                                       "model.params.lora={rank: 4, alpha: 8}", "model.params.learning_rate=1e-2"),
+                         logs)  # fmt: skip
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    adapters, merged = parts_from_checkpoint(ckpt, merge=False), parts_from_checkpoint(ckpt)
+    base = read_parts(tiny_sdxl)
+    kohya = save_lora(adapters, tmp_path / "kohya", "kohya")
+    names = {key.partition(".")[0] for key in load_file(str(kohya))}
+    assert {name.split("_")[1] for name in names} == {"unet", "te1", "te2"}
+    assert "lora_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q" in names  # down_blocks.1.attentions.0
+    assert "lora_te2_text_model_encoder_layers_1_self_attn_v_proj" in names
+    for file in (kohya, save_lora(adapters, tmp_path / "diffusers", "diffusers")):
+        pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl, local_files_only=True)
+        pipe.load_lora_weights(str(file))
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+        for name in ("unet", "text_encoder", "text_encoder_2"):
+            ours, theirs, before = merged[name].state_dict(), getattr(pipe, name).state_dict(), base[name].state_dict()
+            assert any(not torch.equal(ours[k], before[k]) for k in ours), f"{name}: the LoRA changed nothing"
+            torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-6, msg=f"{file.name}: {name}")
+    read = read_adapters(kohya, base, "--lora")
+    assert sorted(read) == ["text_encoder", "text_encoder_2", "unet"]
+    trained = {name: {path: layer.lora_B["default"].weight for path, layer in lora_modules(adapters[name]).items()}
+               for name in read}  # fmt: skip
+    for name, modules in read.items():
+        assert modules.keys() == trained[name].keys()
+        assert all(torch.equal(adapter.up, trained[name][path]) for path, adapter in modules.items())

@@ -22,8 +22,13 @@ from ldm.config import ConfigError, ExistingPath
 DEFAULT_TARGETS = {
     "unet": ["to_q", "to_k", "to_v", "to_out.0"],  # the attention projections of every transformer block
     "text_encoder": ["q_proj", "k_proj", "v_proj", "out_proj"],
+    "text_encoder_2": ["q_proj", "k_proj", "v_proj", "out_proj"],  # SDXL's second
 }
-TARGETS_KEY = {"unet": "target_modules", "text_encoder": "text_encoder_target_modules"}  # in LoraSpec
+TARGETS_KEY = {  # in LoraSpec; SDXL's two text encoders share theirs
+    "unet": "target_modules",
+    "text_encoder": "text_encoder_target_modules",
+    "text_encoder_2": "text_encoder_target_modules",
+}
 DEFAULT_RANK = 4
 
 
@@ -74,9 +79,6 @@ def add_lora(
         raise ConfigError(f"{key}.{sorted(unknown)[0]}: unknown key; valid: {', '.join(LoraSpec.__annotations__)}")
     if int(spec.get("rank", DEFAULT_RANK)) < 1:
         raise ConfigError(f"{key}.rank: got {spec['rank']}; a LoRA rank is a positive integer")
-    if "text_encoder_2" in trainable:
-        raise ConfigError(f"{key}: adapters on SDXL's text_encoder_2 are not made yet (issue 18, part 3); train it "
-                          "fully, or adapt the unet and text_encoder")  # fmt: skip
     where = where or f"{key}.init_from"
     loaded = {}
     if spec.get("init_from"):

@@ -2,7 +2,9 @@
 
 kohya's format (sd-scripts; what ComfyUI and AUTOMATIC1111 read) names a module `lora_unet_<path>` or
 `lora_te_<path>`: its module path in the diffusers UNet / transformers CLIP text encoder with `.` as
-`_`, the text encoder's always under `text_model.` (transformers 5 names it without that level). Each
+`_`, the text encoder's always under `text_model.` (transformers 5 names it without that level). SDXL
+files name the text encoders `lora_te1_` and `lora_te2_`, and the UNet's modules by their original paths
+(`lora_unet_input_blocks_4_1_...`, `ldm.components.unet_layout`), as sd-scripts' SDXL UNet has them. Each
 module has `<name>.lora_down.weight` (A: rank x in), `<name>.lora_up.weight` (B: out x rank) and
 `<name>.alpha` (a 0-dim tensor): the adapted weight is W + up @ down * alpha / rank. Conv layers keep
 their shapes (down: rank x in x kh x kw, up: out x rank x 1 x 1), as peft's are.
@@ -19,9 +21,11 @@ from pathlib import Path
 import torch
 
 from ldm.components import Parts
+from ldm.components.unet_layout import original_unet_name
 
 KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
-KOHYA_LEVELS = {"unet": "", "text_encoder": "text_model."}  # the level kohya paths always have
+SDXL_KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+KOHYA_LEVELS = {"unet": "", "text_encoder": "text_model.", "text_encoder_2": "text_model."}  # kohya paths have it
 KOHYA_SUFFIXES = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
 DIFFUSERS_SUFFIXES = {
     "lora.down.weight": "down",
@@ -32,7 +36,7 @@ DIFFUSERS_SUFFIXES = {
     "lora_B.weight": "up",
     "alpha": "alpha",
 }
-PART_TITLES = {"unet": "UNet", "text_encoder": "text encoder"}
+PART_TITLES = {"unet": "UNet", "text_encoder": "text encoder", "text_encoder_2": "second text encoder"}
 
 
 @dataclass
@@ -49,15 +53,45 @@ class Adapter:
         return self.down.shape[0]
 
 
-def kohya_name(part: str, path: str) -> str:
-    """kohya's name for the module at `path` in `part` (`lora_unet_...`, `lora_te_text_model_...`)."""
+def kohya_prefixes(parts: Parts) -> dict[str, str]:
+    """The kohya name prefix of each adaptable part: SDXL's (`lora_te1_`, `lora_te2_`) for parts with a second
+    text encoder, else SD 1.x / 2.x's."""
+    return SDXL_KOHYA_PREFIXES if "text_encoder_2" in parts else KOHYA_PREFIXES
+
+
+def kohya_name(part: str, path: str, sdxl_unet: dict | None = None) -> str:
+    """kohya's name for the module at `path` in `part` (`lora_unet_...`, `lora_te_text_model_...`); an SDXL
+    file's (`lora_te1_`, `lora_te2_`, the UNet's by its original path) when given the SDXL UNet's config."""
     level = KOHYA_LEVELS[part]
-    return KOHYA_PREFIXES[part] + (level + path.removeprefix(level)).replace(".", "_")
+    if sdxl_unet is None:
+        return KOHYA_PREFIXES[part] + (level + path.removeprefix(level)).replace(".", "_")
+    if part == "unet":
+        path = original_unet_name(path + ".weight", sdxl_unet).removesuffix(".weight")
+    return SDXL_KOHYA_PREFIXES[part] + (level + path.removeprefix(level)).replace(".", "_")
 
 
-def kohya_names(part: str, module: torch.nn.Module) -> dict[str, str]:
-    """Every submodule of `part` by its kohya name: {kohya name: module path}."""
-    return {kohya_name(part, path): path for path, _ in module.named_modules() if path}
+def kohya_names(part: str, module: torch.nn.Module, sdxl_unet: dict | None = None) -> dict[str, str]:
+    """Every submodule of `part` (with weights, for an SDXL UNet) by its kohya name: {kohya name: module path}."""
+    if sdxl_unet is None or part != "unet":
+        return {kohya_name(part, path, sdxl_unet): path for path, _ in module.named_modules() if path}
+    return {
+        kohya_name(part, path, sdxl_unet): path
+        for path, layer in module.named_modules()
+        if path and isinstance(getattr(layer, "weight", None), torch.Tensor) and _has_original_name(path, sdxl_unet)
+    }
+
+
+def _has_original_name(path: str, config: dict) -> bool:
+    try:
+        original_unet_name(path + ".weight", config)
+    except KeyError:
+        return False
+    return True
+
+
+def sdxl_unet_config(parts: Parts) -> dict | None:
+    """The UNet's config where the parts are SDXL's (kohya names its UNet modules by their original paths)."""
+    return dict(parts["unet"].config) if "text_encoder_2" in parts else None
 
 
 def lora_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -69,12 +103,12 @@ def lora_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def kohya_state_dict(parts: Parts) -> dict[str, torch.Tensor]:
     """The parts' adapters in kohya's format: down = A, up = B (unscaled), alpha as a 0-dim tensor."""
-    state = {}
+    state, sdxl_unet = {}, sdxl_unet_config(parts)
     for part, module in parts.networks.items():
         for path, layer in lora_modules(module).items():
-            if part not in KOHYA_PREFIXES:
-                raise ValueError(f"the {part} has LoRA adapters; kohya files hold the UNet's and text encoder's only")
-            name = kohya_name(part, path)
+            if part not in kohya_prefixes(parts):
+                raise ValueError(f"the {part} has LoRA adapters; kohya files hold the UNet's and text encoders' only")
+            name = kohya_name(part, path, sdxl_unet)
             for adapter in layer.lora_A:
                 down = layer.lora_A[adapter].weight.detach().float()
                 state[f"{name}.lora_down.weight"] = down.clone().contiguous()
@@ -97,11 +131,15 @@ def read_adapters(path: str | Path, parts: Parts, where: str) -> dict[str, dict[
     state = load_file(str(path))
     if not state:
         raise ValueError(f"{where}: {path}: holds no tensors")
-    kohya = any(k.startswith(tuple(KOHYA_PREFIXES.values())) for k in state)
-    names = {part: _module_names(part, parts[part], kohya) for part in KOHYA_PREFIXES if part in parts}
+    prefixes, sdxl_unet = kohya_prefixes(parts), sdxl_unet_config(parts)
+    kohya = any(k.startswith((*KOHYA_PREFIXES.values(), *SDXL_KOHYA_PREFIXES.values())) for k in state)
+    names = {part: _module_names(part, parts[part], kohya, sdxl_unet) for part in prefixes if part in parts}
     found: dict[tuple[str, str], dict] = {}
     for key, tensor in state.items():
-        part, name, role = (_kohya_key if kohya else _diffusers_key)(key, names, f"{where}: {path}")
+        if kohya:
+            part, name, role = _kohya_key(key, names, prefixes, f"{where}: {path}")
+        else:
+            part, name, role = _diffusers_key(key, names, f"{where}: {path}")
         found.setdefault((part, name), {})[role] = tensor
     adapters: dict[str, dict[str, Adapter]] = {}
     for (part, name), roles in found.items():
@@ -113,11 +151,11 @@ def read_adapters(path: str | Path, parts: Parts, where: str) -> dict[str, dict[
     return adapters
 
 
-def _module_names(part: str, module: torch.nn.Module, kohya: bool) -> dict[str, str]:
+def _module_names(part: str, module: torch.nn.Module, kohya: bool, sdxl_unet: dict | None) -> dict[str, str]:
     """{a file's name for a module: its path in `module`}: kohya names, or diffusers' `part.path` in both
     text encoder layouts."""
     if kohya:
-        return kohya_names(part, module)
+        return kohya_names(part, module, sdxl_unet)
     level, names = KOHYA_LEVELS[part], {}
     for path, _ in module.named_modules():
         for spelling in {path, path.removeprefix(level), level + path.removeprefix(level)} if path else ():
@@ -125,23 +163,26 @@ def _module_names(part: str, module: torch.nn.Module, kohya: bool) -> dict[str, 
     return names
 
 
-def _kohya_key(key: str, names: dict[str, dict[str, str]], where: str) -> tuple[str, str, str]:
+def _kohya_key(
+    key: str, names: dict[str, dict[str, str]], prefixes: dict[str, str], where: str
+) -> tuple[str, str, str]:
     name, _, suffix = key.partition(".")
     if suffix not in KOHYA_SUFFIXES:
         raise ValueError(
             f"{where}: key {key!r} is not a LoRA weight (expected NAME.lora_down.weight, .lora_up.weight or "
             ".alpha); LoCon / LoHa / DoRA files are not supported"
         )
-    part = next((p for p, prefix in KOHYA_PREFIXES.items() if name.startswith(prefix)), None)
+    part = next((p for p, prefix in prefixes.items() if name.startswith(prefix)), None)
     if part is None or part not in names:
+        other = "SD 1.x / 2.x files' lora_te_" if "text_encoder_2" in prefixes else "SDXL files' lora_te1_ / lora_te2_"
         raise ValueError(
-            f"{where}: key {key!r} names no part of this model: kohya names start with "
-            f"{' or '.join(KOHYA_PREFIXES.values())} (SDXL files' lora_te1_ / lora_te2_ are for another model)"
+            f"{where}: key {key!r} names no part of this model: its kohya names start with "
+            f"{' or '.join(prefixes.values())} ({other} are for another model)"
         )
     if name not in names[part]:
         raise ValueError(
             f"{where}: key {key!r} matches no module of the {PART_TITLES[part]}: the file is for another "
-            "model, or names its modules another way (kohya names are diffusers module paths, . as _)"
+            "model, or names its modules another way (kohya names are module paths, . as _)"
         )
     return part, name, KOHYA_SUFFIXES[suffix]
 

@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable
 
 from ldm.components import Parts
+from ldm.components.unet_layout import original_unet_name, rename
 from ldm.weights.text_model import without_prefix
 
 UNET, VAE = "model.diffusion_model.", "first_stage_model."
@@ -30,23 +31,6 @@ class SingleFileError(ValueError):
     """A single file that cannot be read as a Stable Diffusion checkpoint; the message says why and what to do."""
 
 
-_UNET_TOP = {
-    "time_embedding.linear_1": "time_embed.0",
-    "time_embedding.linear_2": "time_embed.2",
-    "conv_in": "input_blocks.0.0",
-    "conv_norm_out": "out.0",
-    "conv_out": "out.2",
-    "add_embedding.linear_1": "label_emb.0.0",  # SDXL's pooled text and size ids
-    "add_embedding.linear_2": "label_emb.0.2",
-}
-_UNET_RESNET = {
-    "norm1": "in_layers.0",
-    "conv1": "in_layers.2",
-    "time_emb_proj": "emb_layers.1",
-    "norm2": "out_layers.0",
-    "conv2": "out_layers.3",
-    "conv_shortcut": "skip_connection",
-}
 _VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 _OPEN_CLIP_TOP = {
     "embeddings.token_embedding.weight": "token_embedding.weight",
@@ -64,40 +48,6 @@ _OPEN_CLIP_LAYER = {
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def _rename(rest: str, table: dict[str, str]) -> str:
-    for old, new in table.items():
-        if rest.startswith(old + "."):
-            return new + rest[len(old) :]
-    raise KeyError(rest)
-
-
-def _unet_name(key: str, config: dict) -> str:
-    layers = config["layers_per_block"]
-    if not isinstance(layers, int):
-        raise SingleFileError(
-            f"unet layers_per_block {layers!r}: only one count for every block has an original layout"
-        )
-    if any(key.startswith(top + ".") for top in _UNET_TOP):
-        return _rename(key, _UNET_TOP)
-    if m := re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)", key):
-        kind, j, rest = m[1], int(m[2]), m[3]
-        return f"middle_block.{2 * j}.{_rename(rest, _UNET_RESNET)}" if kind == "resnets" else f"middle_block.1.{rest}"
-    m = re.fullmatch(r"(down|up)_blocks\.(\d+)\.(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.(.+)", key)
-    if not m:
-        raise KeyError(key)
-    side, i, kind, j, rest = m[1], int(m[2]), m[3], int(m[4]), m[5]
-    if side == "down":
-        if kind == "downsamplers":
-            return f"input_blocks.{(i + 1) * (layers + 1)}.0.op.{rest.removeprefix('conv.')}"
-        block = f"input_blocks.{i * (layers + 1) + j + 1}"
-    else:  # up blocks have one more layer each; an upsampler follows its block's last resnet (and attention)
-        if kind == "upsamplers":
-            has_attention = "CrossAttn" in config["up_block_types"][i]
-            return f"output_blocks.{i * (layers + 1) + layers}.{2 if has_attention else 1}.{rest}"
-        block = f"output_blocks.{i * (layers + 1) + j}"
-    return f"{block}.0.{_rename(rest, _UNET_RESNET)}" if kind == "resnets" else f"{block}.1.{rest}"
-
-
 def _vae_name(key: str, config: dict) -> str:
     blocks = len(config["block_out_channels"])
     side, _, rest = key.partition(".")
@@ -108,7 +58,7 @@ def _vae_name(key: str, config: dict) -> str:
     if m := re.fullmatch(r"mid_block\.resnets\.(\d+)\.(.+)", rest):
         return f"{side}.mid.block_{int(m[1]) + 1}.{m[2]}"
     if m := re.fullmatch(r"mid_block\.attentions\.0\.(.+)", rest):
-        return f"{side}.mid.attn_1.{_rename(m[1], _VAE_ATTENTION)}"
+        return f"{side}.mid.attn_1.{rename(m[1], _VAE_ATTENTION)}"
     if m := re.fullmatch(r"(down|up)_blocks\.(\d+)\.(resnets|downsamplers|upsamplers)\.(\d+)\.(.+)", rest):
         level = int(m[2]) if m[1] == "down" else blocks - 1 - int(m[2])  # the original decoder counts upwards
         stage = "down" if m[1] == "down" else "up"
@@ -132,21 +82,23 @@ def _open_clip_name(key: str) -> tuple[str, int | None]:
     layer, rest = f"transformer.resblocks.{m[1]}", m[2]
     if qkv := re.fullmatch(r"self_attn\.([qkv]_proj)\.(weight|bias)", rest):
         return f"{layer}.attn.in_proj_{qkv[2]}", _QKV.index(qkv[1])
-    return f"{layer}.{_rename(rest, _OPEN_CLIP_LAYER)}", None
+    return f"{layer}.{rename(rest, _OPEN_CLIP_LAYER)}", None
 
 
 def original_names(parts: Parts, text_layout: str) -> dict[str, tuple[str, int | None]]:
     """Our state-dict key (`unet.…`, `vae.…`, `text_encoder.…`, `text_encoder_2.…`) -> (original key, q/k/v
     slot, `TRANSPOSED` or None)."""
     names: dict[str, tuple[str, int | None]] = {}
-    for part, prefix, rename in (("unet", UNET, _unet_name), ("vae", VAE, _vae_name)):
+    for part, prefix, to_original in (("unet", UNET, original_unet_name), ("vae", VAE, _vae_name)):
         module = getattr(parts, part)
         config = dict(module.config)
         for key in module.state_dict():
             try:
-                names[f"{part}.{key}"] = (prefix + rename(key, config), None)
+                names[f"{part}.{key}"] = (prefix + to_original(key, config), None)
             except KeyError:
                 raise SingleFileError(f"{part} weight {key!r} has no place in the original layout") from None
+            except ValueError as err:
+                raise SingleFileError(str(err)) from None
     for part, prefix, kind in TEXT_LAYOUTS[text_layout]:
         if part not in parts:
             raise SingleFileError(f"the {text_layout} layout has a {part}, which these parts lack")

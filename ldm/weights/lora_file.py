@@ -31,7 +31,7 @@ from ldm.weights.single_file import modelspec
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LoraFormat = Literal["kohya", "diffusers"]
 # Our families as sd-scripts names them in ss_base_model_version (model_util.get_model_version_str_for_sd1_sd2).
-KOHYA_BASES = {"sd15": "sd_v1", "sd2-base": "sd_v2", "sd2-768-v": "sd_v2_v"}
+KOHYA_BASES = {"sd15": "sd_v1", "sd2-base": "sd_v2", "sd2-768-v": "sd_v2_v", "sdxl": "sdxl_base_v1-0"}
 
 
 def save_lora(
@@ -60,11 +60,6 @@ def save_kohya_lora(parts: Parts, out: str | Path, about: Mapping[str, str] | No
     """Write the parts' adapters as one kohya-format `.safetensors` file (see `kohya_path`)."""
     from safetensors.torch import save_file
 
-    if "text_encoder_2" in parts:
-        raise ValueError(
-            "an SDXL LoRA in the kohya format (lora_te1_ / lora_te2_) is not written yet (issue 18, part 3); "
-            "export the diffusers format (--format diffusers)"
-        )
     state = kohya_state_dict(parts)
     if not state:
         raise ValueError(_NO_ADAPTERS)
@@ -115,18 +110,17 @@ def checkpoint_base(ckpt: dict) -> str | None:
 
 def save_diffusers_lora(parts: Parts, out_dir: str | Path) -> Path:
     """Write the parts' adapters as `out_dir/pytorch_lora_weights.safetensors`, for `pipe.load_lora_weights`."""
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     layers = {f"{name}_lora_layers": lora_layers(m) for name, m in parts.networks.items() if lora_modules(m)}
+    pipeline = StableDiffusionXLPipeline if "text_encoder_2" in parts else StableDiffusionPipeline
     if not layers:
         raise ValueError(_NO_ADAPTERS)
     out_dir = Path(out_dir)
     if out_dir.suffix == ".safetensors":
         raise ValueError(f"--out {out_dir}: diffusers' LoRA format is a folder; name one, or use --format kohya")
     with atomic_path(out_dir / LORA_FILE) as partial:
-        StableDiffusionPipeline.save_lora_weights(
-            partial.parent, **layers, weight_name=partial.name, safe_serialization=True
-        )
+        pipeline.save_lora_weights(partial.parent, **layers, weight_name=partial.name, safe_serialization=True)
     return out_dir / LORA_FILE
 
 
