@@ -154,14 +154,19 @@ def ddpm_loss(
     prediction_type: str,
     snr_gamma: float | None = None,
     draws: Draws = GLOBAL_DRAWS,
+    noise_offset: float = 0.0,
 ) -> torch.Tensor:
     """The DDPM training loss of `denoiser(noisy, t, cond) -> prediction` on clean latents `x0`
     (Ho et al. 2020, algorithm 1): a uniform timestep and Gaussian noise per sample, the target of
-    `prediction_type`, Min-SNR-gamma weights when `snr_gamma` is set.
+    `prediction_type`, Min-SNR-gamma weights when `snr_gamma` is set. `noise_offset` adds that much of one
+    Gaussian number per sample and channel to the noise (offset noise, Guttenberg 2023), so that the model
+    learns to move an image's mean, which plain noise hardly changes: very dark or bright images.
 
     The noise is drawn in logical order whatever `x0`'s memory layout (VAE outputs can be channels-last),
     so cached and freshly encoded latents get the same noise."""
     noise = draws.normal(x0.shape[0], x0.shape[1:], x0.device, x0.dtype)
+    if noise_offset:
+        noise = noise + noise_offset * draws.normal(x0.shape[0], (x0.shape[1], 1, 1), x0.device, x0.dtype)
     t = draws.integers(len(alphas_cumprod), x0.shape[0], x0.device)
     prediction = denoiser(add_noise(x0, noise, t, alphas_cumprod), t, cond)
     target = training_target(x0, noise, t, alphas_cumprod, prediction_type)

@@ -285,3 +285,58 @@ def test_an_sdxl_lora_on_the_unet_and_both_encoders_exports_as_kohya_and_diffuse
     for name, modules in read.items():
         assert modules.keys() == trained[name].keys()
         assert all(torch.equal(adapter.up, trained[name][path]) for path, adapter in modules.items())
+
+
+def test_offset_noise_adds_one_number_per_sample_and_channel():
+    """With keyed draws the noise is the same with and without an offset, but for a constant per sample and
+    channel of about `noise_offset`'s size."""
+    from ldm import diffusion
+
+    seen = []
+
+    def denoiser(noisy, t, cond):
+        seen.append(noisy)
+        return torch.zeros_like(noisy)
+
+    x0, pure_noise = torch.zeros(64, 4, 8, 8), torch.zeros(1000)  # alphas_cumprod 0: the noisy latent is the noise
+    for offset in (0.0, 0.1):
+        draws = diffusion.Draws(diffusion.sample_keys(0, 1, range(64)))
+        diffusion.ddpm_loss(denoiser, x0, {}, pure_noise, "epsilon", draws=draws, noise_offset=offset)
+    shift = seen[1] - seen[0]
+    assert torch.allclose(shift, shift[:, :, :1, :1].expand_as(shift), atol=1e-6)
+    assert 0.07 < float(shift[:, :, 0, 0].std()) < 0.13
+
+
+def test_zero_terminal_snr_trains_a_v_prediction_sdxl_and_samples_with_trailing_steps(image_folder, tmp_path):
+    """`noise_schedule: {rescale_betas_zero_snr: true, timestep_spacing: trailing}` on v-prediction weights: the
+    last step keeps no signal in training, and the exported scheduler samples with the same schedule. Epsilon
+    weights, a scheduler that cannot rescale, and a config that drops the weights' zero SNR are errors."""
+    from examples.tiny_sd import write_tiny_sd, write_tiny_sdxl
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    vpred = write_tiny_sdxl(tmp_path / "vpred", prediction_type="v_prediction")
+    zero_snr = ["model.params.noise_schedule={rescale_betas_zero_snr: true, timestep_spacing: trailing}",
+                "model.params.noise_offset=0.05", "lightning.callbacks.image_logger=null"]  # fmt: skip
+    logs = tmp_path / "logs"
+    run_dir = train_once(finetune_args(vpred, image_folder, logs, *zero_snr), logs)
+    parts = parts_from_checkpoint(load_checkpoint(run_dir / "checkpoints" / "last.ckpt"))
+    config = parts.scheduler.config
+    assert config.rescale_betas_zero_snr and config.timestep_spacing == "trailing"
+    assert config.prediction_type == "v_prediction" and float(parts.scheduler.alphas_cumprod[-1]) < 1e-6
+    schedule = {"rescale_betas_zero_snr": True}
+    with pytest.raises(ConfigError, match="zero terminal SNR needs v-prediction, but the model predicts epsilon"):
+        LatentDiffusion(pretrained=str(write_tiny_sdxl(tmp_path / "eps")), noise_schedule=schedule).configure_model()
+    pndm = str(write_tiny_sd(tmp_path / "pndm", prediction_type="v_prediction"))
+    scheduler = {"target": "diffusers.PNDMScheduler", "pretrained": pndm, "subfolder": "scheduler"}
+    with pytest.raises(ConfigError, match="PNDMScheduler does not rescale its betas"):
+        LatentDiffusion(pretrained=pndm, scheduler=scheduler, noise_schedule=schedule).configure_model()
+    ddpm = LatentDiffusion(pretrained=pndm, noise_schedule=schedule)  # trains with its DDPM schedule, rescaled
+    ddpm.configure_model()
+    assert float(ddpm.alphas_cumprod[-1]) == 0.0
+    exported = export_pipeline(run_dir / "checkpoints" / "last.ckpt", tmp_path / "exported")
+    sampler = load_pipeline(exported).scheduler.config
+    assert sampler.rescale_betas_zero_snr and sampler.timestep_spacing == "trailing"
+    with pytest.raises(ConfigError, match="false contradicts the pretrained weights, trained with zero terminal"):
+        LatentDiffusion(pretrained=str(exported), noise_schedule={"rescale_betas_zero_snr": False}).configure_model()
+    with pytest.raises(ConfigError, match="model.params.noise_offset: got -0.1"):
+        LatentDiffusion(pretrained=str(vpred), noise_offset=-0.1)

@@ -74,6 +74,7 @@ class Objective:
     sigma_data: float = 0.9
     mask_ratio: float = 0.0
     zero_unconditional: bool = False  # a dropped caption's conditioning is zeros, not the empty caption's
+    noise_offset: float = 0.0  # DDPM: offset noise (`ldm.diffusion.ddpm_loss`)
 
 
 class LatentDiffusion(pl.LightningModule):
@@ -237,9 +238,8 @@ class LatentDiffusion(pl.LightningModule):
             return self._edm_loss(module, latents, cond, draws)
         if self.alphas_cumprod.device != latents.device:
             self.alphas_cumprod = self.alphas_cumprod.to(latents.device)
-        return diffusion.ddpm_loss(
-            as_denoiser(module), latents, cond, self.alphas_cumprod, self.prediction_type, self.snr_gamma, draws
-        )
+        return diffusion.ddpm_loss(as_denoiser(module), latents, cond, self.alphas_cumprod, self.prediction_type,
+                                   self.snr_gamma, draws, self.objective.noise_offset)  # fmt: skip
 
     def draws(self, batch: dict) -> diffusion.Draws:
         """Where this step's random numbers come from. A batch with `sample_id`s (shards give them): each

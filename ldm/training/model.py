@@ -38,6 +38,8 @@ class NoiseSchedule(TypedDict, total=False):
     beta_end: float
     num_train_timesteps: int
     beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"]
+    rescale_betas_zero_snr: bool  # zero terminal SNR (Lin et al. 2024): v-prediction only
+    timestep_spacing: Literal["leading", "trailing", "linspace"]  # of sampling; trailing with zero terminal SNR
 
 
 class EDMSettings(TypedDict, total=False):
@@ -92,6 +94,7 @@ def latent_diffusion(
     mask_ratio: float = 0.0,
     unconditional: Literal["empty_caption", "zeros"] = "empty_caption",
     expert_lr_multiplier: float = 1.0,
+    noise_offset: float = 0.0,
 ) -> System:
     """A `LatentDiffusion` system whose parts are built when Lightning configures the model.
 
@@ -108,7 +111,11 @@ def latent_diffusion(
 
     `objective: edm` trains with EDM (`edm`: p_mean, p_std, sigma_data), `mask_ratio` of the patches dropped after
     a MicroDiT's patch mixer; `unconditional: zeros` makes a dropped caption's conditioning zeros (MicroDiT's
-    classifier-free guidance); `expert_lr_multiplier` scales the LR of mixture-of-experts parameters."""
+    classifier-free guidance); `expert_lr_multiplier` scales the LR of mixture-of-experts parameters.
+
+    `noise_offset` (DDPM) trains with offset noise (0.05 to 0.1 is usual); `noise_schedule:
+    {rescale_betas_zero_snr: true, timestep_spacing: trailing}` trains and samples with zero terminal SNR
+    (v-prediction models such as NoobAI-XL v-pred; what the weights' scheduler says may not be contradicted)."""
     if learning_rate <= 0:
         raise ConfigError(f"model.params.learning_rate: got {learning_rate}; must be positive")
     if lr_min and (lr_schedule == "constant" or not 0 < lr_min < learning_rate):
@@ -133,6 +140,9 @@ def latent_diffusion(
     )
     settings = dict(edm or {})
     training_objective = _objective(objective, settings, mask_ratio, unconditional, snr_gamma, expert_lr_multiplier)
+    if noise_offset < 0 or noise_offset and objective != "ddpm":
+        raise ConfigError(f"model.params.noise_offset: got {noise_offset}; a DDPM setting, 0 or more (0.05 to 0.1)")
+    training_objective.noise_offset = noise_offset
     lora = dict(lora) if lora is not None else None
     trainable = tuple(dict.fromkeys(trainable))
     if trainable_dtype == "bfloat16":
@@ -273,10 +283,19 @@ def _plain(value: Any) -> Any:
 
 def _apply_schedule(parts: Parts, schedule: dict | None, scaling_factor: float | None, pretrained: str | None) -> None:
     """Set the training noise schedule and the latent scaling factor; a scaling factor may not contradict
-    the one the pretrained VAE was trained with."""
+    the one the pretrained VAE was trained with, nor the schedule drop the weights' zero terminal SNR."""
     if schedule:
+        had = bool(parts.scheduler.config.get("rescale_betas_zero_snr", False))
+        if pretrained is not None and had and schedule.get("rescale_betas_zero_snr") is False:
+            raise ConfigError(
+                "model.params.noise_schedule.rescale_betas_zero_snr: false contradicts the pretrained weights, "
+                "trained with zero terminal SNR (their scheduler config says so); remove the key"
+            )
         config = {**parts.scheduler.config, **schedule}
+        # diffusers' from_config drops values it lists as defaults it filled in: these are set now
+        config["_use_default_values"] = [k for k in config.get("_use_default_values", []) if k not in schedule]
         parts.scheduler = type(parts.scheduler).from_config(config)
+    _check_zero_snr(parts.scheduler, bool((schedule or {}).get("rescale_betas_zero_snr")))
     if scaling_factor is not None:
         current = float(parts.vae.config.get("scaling_factor", 1.0))
         if pretrained is not None and abs(current - scaling_factor) > 1e-9 * max(1.0, abs(current)):
@@ -285,6 +304,22 @@ def _apply_schedule(parts: Parts, schedule: dict | None, scaling_factor: float |
                 f"{current} (the UNet was trained on latents scaled by it); remove the key"
             )
         parts.vae.register_to_config(scaling_factor=scaling_factor)
+
+
+def _check_zero_snr(scheduler: Any, requested: bool) -> None:
+    """Zero terminal SNR (Lin et al. 2024), `requested` or the scheduler's, needs a scheduler that rescales the
+    betas and a v-prediction model: at the last step no signal is left, so no noise can be told from it."""
+    if not (requested or scheduler.config.get("rescale_betas_zero_snr")):
+        return
+    key = "model.params.noise_schedule.rescale_betas_zero_snr"
+    if float(scheduler.alphas_cumprod[-1]) > 1e-6:
+        raise ConfigError(
+            f"{key}: {type(scheduler).__name__} does not rescale its betas; give model.params.scheduler a "
+            "DDPMScheduler, DDIMScheduler or EulerDiscreteScheduler"
+        )
+    prediction = scheduler.config.get("prediction_type", "epsilon")
+    if prediction != "v_prediction":
+        raise ConfigError(f"{key}: zero terminal SNR needs v-prediction, but the model predicts {prediction}")
 
 
 def _check_bf16_training(optimizer_target: str, lora: dict | None) -> None:
