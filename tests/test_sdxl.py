@@ -340,3 +340,20 @@ def test_zero_terminal_snr_trains_a_v_prediction_sdxl_and_samples_with_trailing_
         LatentDiffusion(pretrained=str(exported), noise_schedule={"rescale_betas_zero_snr": False}).configure_model()
     with pytest.raises(ConfigError, match="model.params.noise_offset: got -0.1"):
         LatentDiffusion(pretrained=str(vpred), noise_offset=-0.1)
+
+
+def test_the_memory_planner_traces_an_sdxl_step_with_both_text_encoders(tiny_sdxl, image_folder):
+    """The planner builds SDXL's second text encoder and tokenizer too, and traces SDXL's own training step (its
+    conditioning, size ids included): on fake tensors exactly as on real ones."""
+    from ldm.config import load_config
+    from ldm.training.memory import plan_training_step
+    from tests.helpers import SD_FOLDER
+
+    cfg, _ = load_config([SD_FOLDER], [f"model.params.pretrained={tiny_sdxl}", f"data.params.root={image_folder}",
+                                       "data.params.size=16", "data.params.batch_size=2"])  # fmt: skip
+    fake, real = plan_training_step(cfg), plan_training_step(cfg, fake=False)
+    assert fake.peak == real.peak > 0 and fake.parts == real.parts
+    parts = {p.name: p for p in fake.parts}
+    assert list(parts) == ["unet", "vae", "text_encoder", "text_encoder_2"] and not parts["text_encoder_2"].trainable
+    second = read_parts(tiny_sdxl).text_encoder_2
+    assert parts["text_encoder_2"].parameters == sum(p.numel() for p in second.parameters())

@@ -21,7 +21,6 @@ from ldm.components.build import (
     DEFAULT_CLASSES,
     NETWORK_PARTS,
     build_part,
-    folder_parts,
     module_from_config,
     part_folder,
     part_spec,
@@ -96,14 +95,24 @@ def _part_config(params: dict, name: str) -> tuple[type, dict]:
     return cls, json.loads(path.read_text())
 
 
-def _tokenizer(params: dict, text_config: dict) -> Any:
+def _network_names(params: dict) -> tuple[str, ...]:
+    """The networks of the configured model: SD's, and SDXL's second text encoder where it is given or the
+    `pretrained` folder (a diffusers folder, or an architecture folder such as `configs/models/sdxl`) has it."""
+    pretrained = params.get("pretrained")
+    has_second = params.get("text_encoder_2") is not None or bool(
+        pretrained and (Path(pretrained) / "text_encoder_2" / "config.json").is_file()
+    )
+    return (*NETWORK_PARTS, "text_encoder_2") if has_second else NETWORK_PARTS
+
+
+def _tokenizer(params: dict, text_config: dict, name: str = "tokenizer") -> Any:
     """The configured tokenizer, or (for architecture folders such as `configs/models/sd15`, which hold none)
     the CLIP tokenizer at the text encoder's length: token ids only set the sizes the step traces."""
-    spec = params.get("tokenizer")
-    if spec is None and params.get("pretrained") and (Path(params["pretrained"]) / "tokenizer").is_dir():
-        spec = part_spec("tokenizer", None, params["pretrained"])
+    spec = params.get(name)
+    if spec is None and params.get("pretrained") and (Path(params["pretrained"]) / name).is_dir():
+        spec = part_spec(name, None, params["pretrained"])
     spec = spec or {"config": {"vocab": "clip", "model_max_length": text_config["max_position_embeddings"]}}
-    return build_part("tokenizer", spec, "model.params.tokenizer")
+    return build_part(name, spec, f"model.params.{name}")
 
 
 def _build(cls: type, config: dict, dtype: torch.dtype) -> torch.nn.Module:
@@ -139,13 +148,10 @@ def plan_training_step(
         raise ConfigError(
             f"lightning.trainer.precision: the planner knows 32-true, bf16-mixed, 16-mixed; got {precision}"
         )
-    if params.get("text_encoder_2") or "text_encoder_2" in folder_parts(params.get("pretrained")):
-        raise ConfigError(
-            "model.params.pretrained: an SDXL model (two text encoders); the planner does not size SDXL yet "
-            "(issue 18, part 4)"
-        )
-    configs = {name: _part_config(params, name) for name in NETWORK_PARTS}
-    tokenizer = _tokenizer(params, configs["text_encoder"][1])
+    configs = {name: _part_config(params, name) for name in _network_names(params)}
+    tokenizers = {"tokenizer": _tokenizer(params, configs["text_encoder"][1])}
+    if "text_encoder_2" in configs:
+        tokenizers["tokenizer_2"] = _tokenizer(params, configs["text_encoder_2"][1], "tokenizer_2")
     scheduler_spec = part_spec("scheduler", params.get("scheduler"), params.get("pretrained"))
     scheduler = build_part("scheduler", scheduler_spec, "model.params.scheduler")
 
@@ -159,7 +165,7 @@ def plan_training_step(
         # The system's own training step: the one `main.py` runs, with the options that change memory.
         system = latent_diffusion(
             **modules,
-            tokenizer=tokenizer,
+            **tokenizers,
             scheduler=scheduler,
             trainable=trainable,
             snr_gamma=params.get("snr_gamma"),
