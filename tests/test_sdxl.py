@@ -201,7 +201,7 @@ def test_real_size_sdxl_single_file_layout_is_what_diffusers_converts(tmp_path):
         assert all(theirs[k].shape == ours[k].shape for k in ours), name
     assert state["conditioner.embedders.1.model.text_projection"].shape == (1280, 1280)
     assert sum(v.numel() for k, v in state.items() if k.startswith("model.diffusion_model.")) == 2_567_463_684
-    assert detect_family(state, {}) == (FAMILIES["sdxl"], "from its sdxl text encoder")
+    assert detect_family(state, {}) == (FAMILIES["sdxl"], "from its SDXL text encoders (no v_pred key: epsilon)")
     spec = modelspec(parts, FAMILIES["sdxl"], "my-sdxl")
     assert spec["modelspec.architecture"] == "stable-diffusion-xl-v1-base"
     assert spec["modelspec.resolution"] == "1024x1024"
@@ -357,3 +357,34 @@ def test_the_memory_planner_traces_an_sdxl_step_with_both_text_encoders(tiny_sdx
     assert list(parts) == ["unet", "vae", "text_encoder", "text_encoder_2"] and not parts["text_encoder_2"].trainable
     second = read_parts(tiny_sdxl).text_encoder_2
     assert parts["text_encoder_2"].parameters == sum(p.numel() for p in second.parameters())
+
+
+def test_v_prediction_sdxl_is_a_family_its_single_files_mark_and_readers_detect(tmp_path):
+    """`sdxl-v` shares SDXL base's networks and has its own schedule (v-prediction, zero terminal SNR, trailing
+    spacing); its single files carry the `v_pred` and `ztsnr` keys other tools read, and a file with `v_pred` is
+    detected as it (or declared: `pretrained_family: sdxl-v`)."""
+    from diffusers import EulerDiscreteScheduler
+    from safetensors.torch import load_file
+
+    from examples.tiny_sd import write_tiny_sdxl
+    from ldm.weights.single_file import detect_family, save_single_file, to_original
+
+    parts = parts_from_description(family_description(FAMILIES["sdxl-v"]))
+    assert family_of(parts) is FAMILIES["sdxl-v"]
+    assert dict(parts.unet.config) == dict(parts_from_description(family_description(FAMILIES["sdxl"])).unet.config)
+    schedule = parts.scheduler.config
+    assert (schedule.prediction_type, schedule.rescale_betas_zero_snr, schedule.timestep_spacing) == (
+        "v_prediction",
+        True,
+        "trailing",
+    )
+    state = to_original(parts, "sdxl")
+    assert detect_family({**state, "v_pred": torch.tensor([])}, {}) == (
+        FAMILIES["sdxl-v"],
+        "from its SDXL text encoders and its v_pred key",
+    )
+    assert detect_family(state, {}, declared="sdxl-v") == (FAMILIES["sdxl-v"], "as declared")
+    tiny = read_parts(write_tiny_sdxl(tmp_path / "tiny", prediction_type="v_prediction"))
+    tiny.scheduler = EulerDiscreteScheduler.from_config({**tiny.scheduler.config, "rescale_betas_zero_snr": True})
+    written = load_file(str(save_single_file(tiny, tmp_path / "tiny-v.safetensors")))
+    assert written["v_pred"].numel() == written["ztsnr"].numel() == 0

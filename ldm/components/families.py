@@ -26,33 +26,43 @@ class Family:
     title: str
     text_layout: str  # "clip" (OpenAI CLIP, SD 1.x), "open_clip" (OpenCLIP ViT-H, SD 2.x), "sdxl" (both)
     pad_token: str
-    original_config: str  # the original inference YAML, in configs/models/original/
+    original_config: str | None  # the original inference YAML, in configs/models/original/ (None: files need none)
     networks: tuple[str, ...] = NETWORK_PARTS  # the parts with weights, each a folder of configs/models/<name>/
     pad_token_2: str | None = None  # the second tokenizer's, for a family with two text encoders
+    networks_from: str | None = None  # the family whose network configs this one shares (its scheduler differs)
 
     @property
     def folder(self) -> Path:
+        """The family's scheduler config is in `folder/scheduler/`."""
         return CONFIGS / self.name
+
+    @property
+    def network_folder(self) -> Path:
+        """Each network's config is in `network_folder/<part>/config.json`."""
+        return CONFIGS / (self.networks_from or self.name)
 
     @property
     def prediction_type(self) -> str:
         return json.loads((self.folder / "scheduler" / "scheduler_config.json").read_text())["prediction_type"]
 
 
+SDXL_NETWORKS = (*NETWORK_PARTS, "text_encoder_2")
 FAMILIES = {
     f.name: f
     for f in (
         Family("sd15", "Stable Diffusion 1.x", "clip", "<|endoftext|>", "v1-inference.yaml"),
         Family("sd2-base", "Stable Diffusion 2.x 512-base", "open_clip", "!", "v2-inference.yaml"),
         Family("sd2-768-v", "Stable Diffusion 2.x 768-v", "open_clip", "!", "v2-inference-v.yaml"),
+        Family("sdxl", "Stable Diffusion XL 1.0 base", "sdxl", "<|endoftext|>", None, SDXL_NETWORKS, "!"),
         Family(
-            "sdxl",
-            "Stable Diffusion XL 1.0 base",
+            "sdxl-v",
+            "SDXL, v-prediction with zero terminal SNR (NoobAI-XL v-pred and the like)",
             "sdxl",
             "<|endoftext|>",
-            "sd_xl_base.yaml",
-            (*NETWORK_PARTS, "text_encoder_2"),
-            pad_token_2="!",
+            None,
+            SDXL_NETWORKS,
+            "!",
+            networks_from="sdxl",
         ),  # fmt: skip
     )
 }
@@ -62,8 +72,8 @@ FamilyName = Literal[tuple(FAMILIES)]  # for signatures: config checks then list
 def family_of(parts: Parts) -> Family | None:
     """The released family whose architecture and prediction type `parts` have, or None (a custom model)."""
     for family in FAMILIES.values():
-        unet = json.loads((family.folder / "unet" / "config.json").read_text())
-        text = json.loads((family.folder / "text_encoder" / "config.json").read_text())
+        unet = json.loads((family.network_folder / "unet" / "config.json").read_text())
+        text = json.loads((family.network_folder / "text_encoder" / "config.json").read_text())
         same_unet = all(_same(parts.unet.config.get(k), v) for k, v in unet.items() if not k.startswith("_"))
         same_text = all(
             getattr(parts.text_encoder.config, k) == text[k]
@@ -84,7 +94,7 @@ def family_description(family: Family) -> dict:
     """A family's parts in `describe_parts` form, from the configs shipped in `configs/models/<family>/`."""
     described = {}
     for name in family.networks:
-        config = json.loads((family.folder / name / "config.json").read_text())
+        config = json.loads((family.network_folder / name / "config.json").read_text())
         described[name] = {"class": DEFAULT_CLASSES[name], "config": config}
     scheduler = json.loads((family.folder / "scheduler" / "scheduler_config.json").read_text())
     described["scheduler"] = {"class": f"diffusers.{scheduler['_class_name']}", "config": scheduler}

@@ -167,7 +167,7 @@ def _text_encoder(node: Any, ours: dict, from_weights: bool, ignored: list[str])
     if params:
         raise ConfigError(f"{where}.{sorted(params)[0]}: not a setting that translates here")
     tokenizer = {"config": {"vocab": "clip", "model_max_length": max_length, "pad_token": family.pad_token}}
-    config = json.loads((family.folder / "text_encoder" / "config.json").read_text())
+    config = json.loads((family.network_folder / "text_encoder" / "config.json").read_text())
     if weights is not None:
         if from_weights:
             raise ConfigError(f"{where}.from_pretrained and model.params.ckpt both give the text encoder")

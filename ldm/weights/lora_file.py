@@ -31,7 +31,8 @@ from ldm.weights.single_file import modelspec
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LoraFormat = Literal["kohya", "diffusers"]
 # Our families as sd-scripts names them in ss_base_model_version (model_util.get_model_version_str_for_sd1_sd2).
-KOHYA_BASES = {"sd15": "sd_v1", "sd2-base": "sd_v2", "sd2-768-v": "sd_v2_v", "sdxl": "sdxl_base_v1-0"}
+KOHYA_BASES = {"sd15": "sd_v1", "sd2-base": "sd_v2", "sd2-768-v": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
+               "sdxl-v": "sdxl_base_v1-0"}  # fmt: skip
 
 
 def save_lora(

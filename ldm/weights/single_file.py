@@ -61,7 +61,10 @@ MODELSPEC_ARCHITECTURES = {
     "sd2-base": "stable-diffusion-v2-512",
     "sd2-768-v": "stable-diffusion-v2-768-v",
     "sdxl": "stable-diffusion-xl-v1-base",
+    "sdxl-v": "stable-diffusion-xl-v1-base",  # with modelspec.prediction_type v
 }
+# Empty tensors by which SDXL files say they are v-prediction and zero terminal SNR (ComfyUI reads them).
+SDXL_MARKERS = {"v_pred": ("prediction_type", "v_prediction"), "ztsnr": ("rescale_betas_zero_snr", True)}
 MODELSPEC_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
 SUPPORTED = "ldm trains Stable Diffusion 1.x, 2.x and SDXL base text-to-image models"
 
@@ -103,6 +106,9 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
     layout = text_layout or (family.text_layout if family else extras.text_layout if extras else own)
     state = to_original(parts, layout, half)
     state.update({k: v for k, v in writable(parts, half).items() if k not in state or k in PLACEHOLDERS})
+    if layout == "sdxl":
+        schedule = parts.scheduler.config
+        state.update({k: torch.tensor([]) for k, (key, value) in SDXL_MARKERS.items() if schedule.get(key) == value})
     meta = {
         "family": family.name if family else "custom",
         "text_layout": layout,
@@ -137,7 +143,7 @@ def config_beside(path: str | Path, family: Family | None) -> Path | None:
     It is needed where another family has the same architecture and a different prediction type (SD 2.x
     512-base and 768-v): A1111 then guesses the type by running the UNet on a test input, and
     ComfyUI by the spread of one bias; SD 1.x has one type, and a custom architecture no original YAML."""
-    if family is None:
+    if family is None or family.original_config is None:
         return None
     twins = [f for f in FAMILIES.values() if f.text_layout == family.text_layout and f.name != family.name]
     if not any(f.prediction_type != family.prediction_type for f in twins):
@@ -248,6 +254,10 @@ def detect_family(
             found = " or ".join(f.name for f in candidates)
             raise SingleFileError(f"{where} holds a {layout} text encoder, so it is {found}, not {declared}")
         return FAMILIES[declared], "as declared"
+    if layout == "sdxl":
+        if "v_pred" in state:
+            return FAMILIES["sdxl-v"], "from its SDXL text encoders and its v_pred key"
+        return FAMILIES["sdxl"], "from its SDXL text encoders (no v_pred key: epsilon)"
     if len(candidates) == 1:
         return candidates[0], f"from its {layout} text encoder"
     if global_step == SD2_BASE_GLOBAL_STEP:
