@@ -271,7 +271,7 @@ def test_an_sdxl_lora_on_the_unet_and_both_encoders_exports_as_kohya_and_diffuse
     assert "lora_te2_text_model_encoder_layers_1_self_attn_v_proj" in names
     for file in (kohya, save_lora(adapters, tmp_path / "diffusers", "diffusers")):
         pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl, local_files_only=True)
-        pipe.load_lora_weights(str(file))
+        pipe.load_lora_weights(str(file.parent), weight_name=file.name)  # diffusers 0.29 offline needs the name
         pipe.fuse_lora()
         pipe.unload_lora_weights()
         for name in ("unet", "text_encoder", "text_encoder_2"):
