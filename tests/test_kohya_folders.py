@@ -141,7 +141,7 @@ def test_a_repeated_bad_image_is_skipped_and_listed_once(tmp_path, monkeypatch):
 class FakeModel:
     """What the caches ask of the model: encode images and captions, counting what they were given."""
 
-    trainable, training = ("unet",), True
+    trainable, training, text_parts = ("unet",), True, ("tokenizer", "text_encoder")
 
     def __init__(self) -> None:
         self.images, self.captions = 0, []
