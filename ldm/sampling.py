@@ -56,40 +56,22 @@ def check_samplable(parts: Parts) -> None:
         )
 
 
-def build_pipeline(parts: Parts, sampler: str = "ddim") -> StableDiffusionPipeline | MicroDiTPipeline:
+def build_pipeline(
+    parts: Parts, sampler: str = "ddim"
+) -> StableDiffusionPipeline | StableDiffusionXLPipeline | MicroDiTPipeline:
     """The pipeline of `parts` (shared, not copied): a `StableDiffusionPipeline` without a safety checker, a
     `StableDiffusionXLPipeline` without a watermarker for SDXL's parts, or a `MicroDiTPipeline` with an EDM
     scheduler."""
     check_samplable(parts)
+    shared = {"vae": parts.vae, "text_encoder": parts.text_encoder, "tokenizer": parts.tokenizer,
+              "scheduler": inference_scheduler(parts.scheduler, sampler)}  # fmt: skip
     if isinstance(parts.unet, MicroDiT):
-        return MicroDiTPipeline(
-            transformer=parts.unet,
-            vae=parts.vae,
-            text_encoder=parts.text_encoder,
-            tokenizer=parts.tokenizer,
-            scheduler=inference_scheduler(parts.scheduler, sampler),
-        )
+        return MicroDiTPipeline(transformer=parts.unet, **shared)
     if "text_encoder_2" in parts:
-        return StableDiffusionXLPipeline(
-            vae=parts.vae,
-            text_encoder=parts.text_encoder,
-            text_encoder_2=parts.text_encoder_2,
-            tokenizer=parts.tokenizer,
-            tokenizer_2=parts.tokenizer_2,
-            unet=parts.unet,
-            scheduler=inference_scheduler(parts.scheduler, sampler),
-            add_watermarker=False,
-        )
-    return StableDiffusionPipeline(
-        vae=parts.vae,
-        text_encoder=parts.text_encoder,
-        tokenizer=parts.tokenizer,
-        unet=parts.unet,
-        scheduler=inference_scheduler(parts.scheduler, sampler),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+        return StableDiffusionXLPipeline(unet=parts.unet, text_encoder_2=parts.text_encoder_2,
+                                         tokenizer_2=parts.tokenizer_2, add_watermarker=False, **shared)  # fmt: skip
+    return StableDiffusionPipeline(unet=parts.unet, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False, **shared)  # fmt: skip
 
 
 def image_grid(images: list[Image.Image], rows: int, labels: list[str] | None = None) -> Image.Image:
