@@ -23,6 +23,13 @@ def tiny_sd(tmp_path_factory) -> Path:
     return write_tiny_sd(tmp_path_factory.mktemp("tiny-sd"))
 
 
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory) -> Path:
+    from examples.tiny_sd import write_tiny_sdxl
+
+    return write_tiny_sdxl(tmp_path_factory.mktemp("tiny-sdxl"))
+
+
 def write_images(root: Path, n: int = 6, size: tuple[int, int] = (24, 20), metadata: bool = False) -> Path:
     """`n` random RGB images with captions, as .txt files or a metadata.jsonl."""
     root.mkdir(parents=True, exist_ok=True)

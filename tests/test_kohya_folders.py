@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,6 +139,9 @@ def test_a_repeated_bad_image_is_skipped_and_listed_once(tmp_path, monkeypatch):
     assert data.bad == {1}
 
 
+CPU = SimpleNamespace(root_device=torch.device("cpu"))  # the trainer's strategy: where caches are encoded
+
+
 class FakeModel:
     """What the caches ask of the model: encode images and captions, counting what they were given."""
 
@@ -156,6 +160,9 @@ class FakeModel:
 
     def configure_model(self) -> None: ...
 
+    def networks_on(self, device: torch.device, names: tuple[str, ...]) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def eval(self) -> None: ...
 
     def train(self, mode: bool) -> None: ...
@@ -165,7 +172,7 @@ def test_caches_encode_each_repeated_image_and_caption_once(tmp_path):
     data = FolderDataset(kohya_folder(tmp_path / "train"), size=8)
     model = FakeModel()
     dm = DataModule(data, batch_size=5, cache_latents=True, cache_text=True, shuffle=False)
-    dm.trainer = SimpleNamespace(lightning_module=model, global_rank=0, world_size=1)
+    dm.trainer = SimpleNamespace(lightning_module=model, global_rank=0, world_size=1, strategy=CPU)
     dm.setup("fit")
     assert model.images == 5 and sorted(model.captions) == sorted({c for _, c in data.examples} | {""})
     assert len(dm.dataset) == 35

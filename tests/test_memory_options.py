@@ -71,3 +71,45 @@ def test_frozen_parts_in_half_precision(tiny_sd):
 def test_xformers_without_cuda_is_a_config_error(tiny_sd):
     with pytest.raises(ConfigError, match=r"^model\.params\.attention: xformers is not usable here"):
         LatentDiffusion(pretrained=str(tiny_sd), attention="xformers")
+
+
+def test_frozen_device_keeps_the_frozen_networks_where_they_are(tiny_sdxl):
+    """`frozen_device: cpu`: moving or casting the system changes what trains, not the VAE or text encoders, which
+    still encode, their outputs following the system. A cast stands in for the move to a GPU on this CPU."""
+    model = LatentDiffusion(pretrained=str(tiny_sdxl), frozen_device="cpu")
+    model.to(torch.float64)
+    dtypes = {name: next(getattr(model, name).parameters()).dtype for name in model.parts.networks}
+    assert dtypes == {"unet": torch.float64, "vae": torch.float32, "text_encoder": torch.float32,
+                      "text_encoder_2": torch.float32}  # fmt: skip
+    assert list(model._modules) == list(model.parts.networks), "the parts keep their order (and state dict's)"
+    unet_grads(model)  # a step encodes images and captions with the networks held back
+    plain = LatentDiffusion(pretrained=str(tiny_sdxl)).to(torch.float64)
+    assert next(plain.vae.parameters()).dtype == torch.float64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_frozen_device_on_a_gpu(tiny_sdxl):
+    model = LatentDiffusion(pretrained=str(tiny_sdxl), frozen_device="cpu").to("cuda")
+    assert next(model.unet.parameters()).is_cuda and not next(model.text_encoder_2.parameters()).is_cuda
+    assert model.encode_text(["a cat"])["encoder_hidden_states"].is_cuda
+    with model.frozen_parts_on_device():
+        assert next(model.vae.parameters()).is_cuda
+    assert not next(model.vae.parameters()).is_cuda
+
+
+def test_frozen_device_is_refused_under_a_strategy(tiny_sd):
+    from ldm.config import load_config
+    from ldm.training.checks import check_config
+    from tests.helpers import SD_FOLDER
+
+    cfg, sources = load_config(
+        [SD_FOLDER],
+        [f"model.params.pretrained={tiny_sd}", "data.params.root=.", "model.params.frozen_device=cpu",
+         "lightning.trainer.strategy=ddp", "lightning.trainer.devices=2"],
+    )  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"model.params.frozen_device \(command line\): keeps the frozen networks on the CPU.*'ddp'"
+    ):
+        check_config(cfg, sources)
+    with pytest.raises(ConfigError, match=r"model.params.frozen_device: got 'cuda'; valid: cpu"):
+        LatentDiffusion(pretrained=str(tiny_sd), frozen_device="cuda")

@@ -1,5 +1,5 @@
 """ldm.training.optim.LowMemoryAdamW: AdamW's update from compact state, small bf16 updates kept, the step fused into
-backward, exact resume, refused settings, and a low-memory fine-tune through main.py."""
+backward, state offloaded to CPU memory, exact resume, refused settings, and a low-memory fine-tune through main.py."""
 
 import io
 import json
@@ -13,7 +13,7 @@ from examples.tiny_sd import TINY_UNET
 from ldm.config import ConfigError, load_config
 from ldm.models.diffusion.ddpm import LatentDiffusion
 from ldm.training.checks import check_config
-from ldm.training.optim import LowMemoryAdamW, _dequantize, _quantize
+from ldm.training.optim import BLOCK, PER_VALUE, LowMemoryAdamW, _dequantize, _quantize
 from ldm.weights.checkpoint import load_checkpoint
 from main import main
 from tests.helpers import finetune_args
@@ -44,7 +44,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
         y = torch.tanh(x[:, :4] * 2)
 
         def closure(x=x, y=y):
-            loss = torch.nn.functional.mse_loss(model(x.to(model[0].weight.dtype)).float(), y)
+            loss = torch.nn.functional.mse_loss(model(x.to(model[0].weight)).float(), y.to(model[0].weight.device))
             loss.backward()
             return loss
 
@@ -55,6 +55,29 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    """The same state values (and dtypes, and steps) for every weight, wherever each tensor lives."""
+    a, b = a.state_dict()["state"], b.state_dict()["state"]
+    return a.keys() == b.keys() and all(
+        a[i].keys() == b[i].keys()
+        and all(
+            v.dtype == b[i][k].dtype and torch.equal(v.cpu(), b[i][k].cpu()) for k, v in a[i].items() if k != "step"
+        )
+        and a[i]["step"] == b[i]["step"]
+        for i in a
+    )
+
+
+def assert_placed(model: torch.nn.Module, optimizer: LowMemoryAdamW) -> None:
+    """With `offload`, the per-value state in CPU memory (pinned where there is CUDA); the rest beside its weight."""
+    for p in model.parameters():
+        for k, v in optimizer.state.get(p, {}).items():  # not state[p]: that would add an empty state
+            if torch.is_tensor(v):
+                offloaded = optimizer.offload and k in PER_VALUE
+                expected = ("cpu", torch.cuda.is_available()) if offloaded else (p.device.type, False)
+                assert (v.device.type, v.is_pinned()) == expected, k
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -186,9 +209,13 @@ def test_a_backward_outside_step_waits_for_step():
 
 
 @pytest.mark.parametrize("settings", [{}, {"rounding": "kahan"}])
-def test_state_dict_round_trip_resumes_identically(settings):
+@pytest.mark.parametrize(
+    ("offload_saved", "offload_loaded"), [(False, False), (True, False), (False, True)], ids=lambda o: f"offload={o}"
+)
+def test_state_dict_round_trip_resumes_identically(settings, offload_saved, offload_loaded):
+    """Also from a checkpoint saved with offload into an optimizer without, and the reverse."""
     unbroken = mlp(torch.bfloat16)
-    optimizer = LowMemoryAdamW(unbroken.parameters(), lr=1e-3, **settings)
+    optimizer = LowMemoryAdamW(unbroken.parameters(), lr=1e-3, offload=offload_saved, **settings)
     train(unbroken, optimizer, 3)
     saved = io.BytesIO()
     torch.save({"model": unbroken.state_dict(), "optimizer": optimizer.state_dict()}, saved)
@@ -198,15 +225,63 @@ def test_state_dict_round_trip_resumes_identically(settings):
     checkpoint = torch.load(saved, weights_only=True)
     resumed = mlp(torch.bfloat16)
     resumed.load_state_dict(checkpoint["model"])
-    optimizer = LowMemoryAdamW(resumed.parameters(), lr=1e-3, **settings)
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    assert optimizer.state[resumed[0].weight]["exp_avg"].dtype == torch.int8, "torch's loader would cast it"
-    train(resumed, optimizer, 3, first=3)
-    assert same_weights(unbroken, resumed)
+    resumed_optimizer = LowMemoryAdamW(resumed.parameters(), lr=1e-3, offload=offload_loaded, **settings)
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    assert resumed_optimizer.state[resumed[0].weight]["exp_avg"].dtype == torch.int8, "torch's loader would cast it"
+    assert_placed(resumed, resumed_optimizer)
+    train(resumed, resumed_optimizer, 3, first=3)
+    assert same_weights(unbroken, resumed) and same_state(optimizer, resumed_optimizer)
 
     other = LowMemoryAdamW(mlp(torch.bfloat16).parameters(), momentum="float32")
     with pytest.raises(ValueError, match=r"resume with the settings it was saved with"):
         other.load_state_dict(checkpoint["optimizer"])
+
+
+def trained(offload: bool, device: str = "cpu", steps: int = 4, **settings) -> tuple[torch.nn.Module, LowMemoryAdamW]:
+    model = mlp(torch.bfloat16).to(device)
+    optimizer = LowMemoryAdamW(model.parameters(), lr=1e-3, offload=offload, **settings)
+    train(model, optimizer, steps)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("settings", [{}, {"rounding": "kahan"}, EXACT], ids=["default", "kahan", "float32-unfactored"])
+def test_offload_moves_the_state_and_changes_no_bit(monkeypatch, settings, fused):
+    """Several chunks per weight, the last one short: each is copied in, updated and copied back."""
+    monkeypatch.setattr("ldm.training.optim.CHUNK", 3 * BLOCK)
+    (model, optimizer), (offloaded, offloaded_optimizer) = (trained(o, fused=fused, **settings) for o in (False, True))
+    assert_placed(offloaded, offloaded_optimizer)
+    assert same_weights(model, offloaded) and same_state(optimizer, offloaded_optimizer)
+    assert not same_weights(model, mlp(torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and copies to a GPU need CUDA")
+def test_offloaded_state_of_cuda_weights_is_pinned_in_cpu_memory():
+    (model, optimizer), (offloaded, offloaded_optimizer) = (trained(o, "cuda", steps=8) for o in (False, True))
+    assert offloaded[0].weight.is_cuda and not offloaded_optimizer.state[offloaded[0].weight]["exp_avg"].is_cuda
+    assert offloaded_optimizer.state[offloaded[0].weight]["exp_avg_sq_row"].is_cuda
+    assert_placed(offloaded, offloaded_optimizer)
+    assert same_weights(model, offloaded) and same_state(optimizer, offloaded_optimizer)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_init_state_allocates_what_the_first_update_would(offload):
+    model, reference = mlp(torch.bfloat16), mlp(torch.bfloat16)
+    for m in (model, reference):
+        m[0].bias.requires_grad_(False)  # not trained: no state
+    optimizer = LowMemoryAdamW(model.parameters(), lr=1e-3, offload=offload, rounding="kahan")
+    reference_optimizer = LowMemoryAdamW(reference.parameters(), lr=1e-3, offload=offload, rounding="kahan")
+    optimizer.init_state()
+    assert len(optimizer.state) == len(list(model.parameters())) - 1 and model[0].bias not in optimizer.state
+    states = optimizer.state.values()
+    assert all(s["step"] == 0 and all(not v.any() for k, v in s.items() if k != "step") for s in states)
+    assert_placed(model, optimizer)
+    train(model, optimizer, 2)
+    train(reference, reference_optimizer, 2)
+    optimizer.init_state()  # state that exists is kept
+    train(model, optimizer, 2, first=2)
+    train(reference, reference_optimizer, 2, first=2)
+    assert same_weights(model, reference) and same_state(optimizer, reference_optimizer)
 
 
 @pytest.fixture

@@ -20,13 +20,6 @@ from ldm.weights.read import parts_from_checkpoint, read_parts
 from tests.helpers import finetune_args, train_once
 
 
-@pytest.fixture(scope="module")
-def tiny_sdxl(tmp_path_factory):
-    from examples.tiny_sd import write_tiny_sdxl
-
-    return write_tiny_sdxl(tmp_path_factory.mktemp("tiny-sdxl"))
-
-
 def test_the_sdxl_family_is_sdxl_base_at_full_size():
     """configs/models/sdxl/ builds SDXL 1.0 base's parts (on the meta device) with its parameter counts; the
     parts are told apart from SD 1.x by the second text encoder and condition with both."""

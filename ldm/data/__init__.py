@@ -252,10 +252,16 @@ class DataModule(pl.LightningDataModule):
             global_batch,
         )
 
+    @property
+    def _device(self) -> torch.device:
+        """Where caches are encoded: the device training will run on (the model is still on the CPU in `setup`)."""
+        return self.trainer.strategy.root_device
+
     def _one_pass(self, dataset: Dataset) -> DataLoader:
         """A loader for encoding the data once. Its own generator: drawing its worker seeds from the global
         one would shift every random number training draws, so a cached run would not match an uncached one."""
-        return DataLoader(dataset, batch_size=max(self.batch_size, 32), num_workers=self.num_workers,
+        batch_size = max(self.batch_size, 32) if self._device.type == "cpu" else self.batch_size  # GPU memory
+        return DataLoader(dataset, batch_size=batch_size, num_workers=self.num_workers,
                           generator=torch.Generator())  # fmt: skip
 
     @torch.no_grad()
@@ -264,7 +270,8 @@ class DataModule(pl.LightningDataModule):
         means, stds, captions, sizes = [], [], [], {}
         once, rows = _once_each(dataset)
         for batch in self._one_pass(once):
-            mean, std = model.encode_posterior(batch["pixel_values"])  # std is None unless model.sample_latents
+            with model.networks_on(self._device, ["vae"]):  # std is None unless model.sample_latents
+                mean, std = model.encode_posterior(batch["pixel_values"].to(self._device))
             means.append(mean.cpu())
             if std is not None:
                 stds.append(std.cpu())
@@ -296,8 +303,9 @@ class DataModule(pl.LightningDataModule):
         was_training = model.training
         model.eval()
         try:
-            chunks = [model.encode_text(distinct[i : i + 64]) for i in range(0, len(distinct), 64)]
-            empty = {k: v[0].cpu() for k, v in model.encode_text([""]).items()}
+            with model.networks_on(self._device, model.text_parts):
+                chunks = [model.encode_text(distinct[i : i + 64]) for i in range(0, len(distinct), 64)]
+                empty = {k: v[0].cpu() for k, v in model.encode_text([""]).items()}
         finally:
             model.train(was_training)
         log.info("cache_text: encoded %d distinct captions once with the model's text encoder", len(distinct))

@@ -7,8 +7,9 @@ and tokenizer, the noise schedule. The math is `ldm.diffusion`; side concerns ar
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +87,9 @@ class LatentDiffusion(pl.LightningModule):
     that denoises, `conditioning` how captions become its conditioning (`ldm.components.conditioning`;
     by default the one the parts have).
     `trainable` parts train; the others stay frozen, in eval mode. `lora` is the adapter spec the
-    parts were given, if any: checkpoints then hold the adapters only.
+    parts were given, if any: checkpoints then hold the adapters only. `frozen_device: cpu` keeps the frozen
+    networks in CPU memory when the system moves to its device: with latents and captions cached they never
+    run in a training step, and encoding on the CPU is slow but works; sampling brings them over for a while.
     """
 
     def __init__(
@@ -101,8 +104,12 @@ class LatentDiffusion(pl.LightningModule):
         lora: dict | None = None,
         nonfinite_loss: str = "skip",
         objective: Objective | None = None,
+        frozen_device: str | None = None,
     ) -> None:
         super().__init__()
+        if frozen_device not in (None, "cpu"):
+            raise ConfigError(f"model.params.frozen_device: got {frozen_device!r}; valid: cpu, or null")
+        self.frozen_device = frozen_device
         self._source: Parts | Callable[[], Parts] | None = parts
         self.trainable, self.denoiser_name = tuple(dict.fromkeys(trainable)), denoiser
         if conditioning is not None and conditioning not in CONDITIONINGS:
@@ -179,15 +186,49 @@ class LatentDiffusion(pl.LightningModule):
                 getattr(self, name).eval()
         return self
 
+    def _held(self) -> list[str]:
+        """The frozen networks `frozen_device` keeps where they are when the system moves."""
+        if self.frozen_device is None:
+            return []
+        return [name for name in self._names if name not in self.trainable and name in self._modules]
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> LatentDiffusion:
+        """Move or cast the system (`to`, `cuda`, `half`, ...), but not the networks `frozen_device` holds."""
+        held, order = self._held(), list(self._modules)
+        kept = {name: self._modules.pop(name) for name in held}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._modules.update(kept)
+            self._modules = {name: self._modules[name] for name in order}
+
+    @contextlib.contextmanager
+    def networks_on(self, device: torch.device | str, names: Sequence[str]) -> Iterator[None]:
+        """Have the networks among `names` on `device` for a while (encoding caches, sampling), then where they
+        were; other names (tokenizers) are passed over."""
+        self.configure_model()
+        was = {name: next(getattr(self, name).parameters()).device for name in names if name in self._modules}
+        for name in was:
+            getattr(self, name).to(device)
+        try:
+            yield
+        finally:
+            for name, device in was.items():
+                getattr(self, name).to(device)
+
+    def frozen_parts_on_device(self) -> contextlib.AbstractContextManager:
+        """Bring the networks `frozen_device` holds on the CPU to the system's device for a while (sampling)."""
+        return self.networks_on(self.device, self._held())
+
     @torch.no_grad()
     def encode_posterior(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Images in [-1, 1] to the VAE posterior's mean and standard deviation, both times the VAE's
         scaling factor. Training draws a latent from them every step; the deviation is None when
         `sample_latents` is off, and training then uses the mean."""
         self.configure_model()  # a latent cache encodes in the data's setup, before Lightning builds the model
-        posterior = self.vae.encode(pixel_values.to(self.device, self.vae.dtype)).latent_dist
-        std = posterior.std * self.latent_scale if self.sample_latents else None
-        return posterior.mean * self.latent_scale, std
+        posterior = self.vae.encode(pixel_values.to(self.vae.device, self.vae.dtype)).latent_dist
+        std = posterior.std.to(self.device) * self.latent_scale if self.sample_latents else None
+        return posterior.mean.to(self.device) * self.latent_scale, std
 
     @property
     def text_parts(self) -> tuple[str, ...]:
@@ -199,8 +240,12 @@ class LatentDiffusion(pl.LightningModule):
         """Captions to the denoiser's conditioning mapping, by the system's `conditioning`
         (`ldm.components.conditioning`); with gradients when a text part trains."""
         trains = any(name in self.trainable for name in self.text_parts)
+        parts = self.parts
+        encoder = next(part for name in self.text_parts if isinstance(part := parts[name], torch.nn.Module))
+        device = next(encoder.parameters()).device
         with torch.set_grad_enabled(trains and self.training):
-            return CONDITIONINGS[self.conditioning].text(self.parts, captions, self.device)
+            cond = CONDITIONINGS[self.conditioning].text(parts, captions, device)
+        return {k: v.to(self.device) for k, v in cond.items()}
 
     def encode_image_sizes(self, batch: dict, latents: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch's per-image conditioning, for families that have it (SDXL's size and crop ids), at the
@@ -338,6 +383,13 @@ class LatentDiffusion(pl.LightningModule):
             name, optimizer, num_warmup_steps=opt.lr_warmup_steps, num_training_steps=int(total or 0)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """An optimizer that places its own state (`init_state`: LowMemoryAdamW with `offload`) puts it where it
+        lives before the first step: Lightning moves every optimizer's state to the device when it restores a run."""
+        for optimizer in self.trainer.optimizers:
+            if hasattr(optimizer, "init_state"):
+                optimizer.init_state()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the resolved config and every part's own config, so a checkpoint is self-contained."""

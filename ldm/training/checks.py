@@ -105,6 +105,8 @@ def check_config(cfg: DictConfig, sources: Sources | None = None, scale_lr: bool
         check_params(trainer, _trainer_signature(), "lightning.trainer", sources, skip=("strategy",))
     with problems.check():
         _check_strategy(cfg, trainer.get("strategy"), sources)
+    with problems.check():
+        _check_frozen_device(cfg, trainer, sources)
     callbacks = lightning.get("callbacks") or {}
     with problems.check():
         if not isinstance(callbacks, Mapping):
@@ -227,6 +229,22 @@ def _check_strategy(cfg: DictConfig, strategy: object, sources: Sources) -> None
     check_whole = getattr(import_target(strategy["target"]), "check_run_config", None)
     if check_whole is not None:  # combinations a strategy cannot train, e.g. an optimizer it cannot drive
         check_whole(cfg, sources)
+
+
+def _check_frozen_device(cfg: DictConfig, trainer: Mapping, sources: Sources) -> None:
+    """`model.params.frozen_device` keeps networks outside what a strategy places: one process, no wrapper."""
+    params = (cfg.get("model") or {}).get("params") or {}
+    if not isinstance(params, Mapping) or params.get("frozen_device") is None:
+        return
+    strategy, devices = trainer.get("strategy", "auto"), trainer.get("devices", "auto")
+    if strategy not in ("auto", "single_device") or devices not in ("auto", 1, "1", [0]):
+        fail(
+            sources,
+            "model.params.frozen_device",
+            f"keeps the frozen networks on the CPU, which one process with Lightning's default strategy allows; "
+            f"this run has lightning.trainer.strategy {to_plain(strategy)!r} and devices {to_plain(devices)!r}: "
+            "remove frozen_device, or train on one device without a strategy",
+        )
 
 
 def _check_datamodule(target: str, sources: Sources) -> None:

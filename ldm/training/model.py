@@ -95,6 +95,7 @@ def latent_diffusion(
     unconditional: Literal["empty_caption", "zeros"] = "empty_caption",
     expert_lr_multiplier: float = 1.0,
     noise_offset: float = 0.0,
+    frozen_device: Literal["cpu"] | None = None,
 ) -> System:
     """A `LatentDiffusion` system whose parts are built when Lightning configures the model.
 
@@ -115,7 +116,10 @@ def latent_diffusion(
 
     `noise_offset` (DDPM) trains with offset noise (0.05 to 0.1 is usual); `noise_schedule:
     {rescale_betas_zero_snr: true, timestep_spacing: trailing}` trains and samples with zero terminal SNR
-    (v-prediction models such as NoobAI-XL v-pred; what the weights' scheduler says may not be contradicted)."""
+    (v-prediction models such as NoobAI-XL v-pred; what the weights' scheduler says may not be contradicted).
+
+    `frozen_device: cpu` keeps the frozen networks (VAE, text encoders) in CPU memory, off the GPU: for runs that
+    cache latents and captions (`data.params.cache_latents` / `cache_text`, or shards), whose steps never run them."""
     if learning_rate <= 0:
         raise ConfigError(f"model.params.learning_rate: got {learning_rate}; must be positive")
     if lr_min and (lr_schedule == "constant" or not 0 < lr_min < learning_rate):
@@ -161,7 +165,7 @@ def latent_diffusion(
         dict(part_weights or {}), dict(architecture or {}), noise_schedule, scaling_factor,
     )  # fmt: skip
     system = System(build, trainable, "unet", None, snr_gamma, sample_latents, optimization, lora, nonfinite_loss,
-                    training_objective)  # fmt: skip
+                    training_objective, frozen_device)  # fmt: skip
     if all(isinstance(specs[name], torch.nn.Module) for name in NETWORK_PARTS):
         system.configure_model()  # networks passed in: nothing to load
     return system

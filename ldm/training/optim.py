@@ -19,7 +19,12 @@ fp32, a few million values at a time, from compact state:
 - with `fused`, no gradients kept: each weight is updated as soon as backward has finished its
   gradient (`Tensor.register_post_accumulate_grad_hook`, as in the PyTorch tutorial "How to save
   memory by fusing the optimizer step into the backward pass"), which is then freed, so the full set
-  of gradients never exists.
+  of gradients never exists;
+- with `offload`, the state that grows with the weight (first moment, unfactored second moment, Kahan
+  buffer) in CPU memory instead (pinned, when there is CUDA), as ZeRO-Offload keeps optimizer state (Ren
+  et al. 2021, "ZeRO-Offload"), though the update still runs on the weight's device: each step copies the
+  state there a chunk at a time and back, about 2 x 1 byte per weight over PCIe with the defaults; the
+  factored second moment stays on the device.
 
 With fp32 weights, `momentum: float32` and `factored: false` the update is torch's AdamW. Under
 Lightning's automatic optimization, `step(closure)` runs the closure (training step and backward)
@@ -33,7 +38,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -41,6 +47,7 @@ import torch
 from ldm.config import ConfigError, Sources, fail
 from ldm.training.strategies import TARGET
 
+PER_VALUE = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "compensation")  # state that grows with the weight
 BLOCK = 256  # first-moment values per fp32 scale
 CHUNK = 1 << 22  # values updated at once (a multiple of BLOCK): bounds the fp32 temporaries to a few 16 MB
 KEY = "model.params.optimizer.params"
@@ -52,7 +59,10 @@ class LowMemoryAdamW(torch.optim.Optimizer):
 
     Memory per trained bf16 weight with the defaults: 2 (the weight) + 1.02 (8-bit first moment)
     bytes, plus rows + columns fp32 values per matrix; plain AdamW in fp32 holds 16 bytes.
-    `rounding: kahan` adds 2 bytes; `fused: false` keeps a gradient (2 bytes) until `step()`.
+    `rounding: kahan` adds 2 bytes; `fused: false` keeps a gradient (2 bytes) until `step()`. `offload`
+    moves the state's per-weight bytes (1.02 with the defaults) to CPU memory, leaving the device 2 bytes per
+    weight plus the factored second moment, for two copies of them over PCIe per step; the values, and so
+    the training, are the same bit for bit.
     `seed` seeds stochastic rounding, whose random bits depend only on (seed, weight, step).
     """
 
@@ -69,6 +79,7 @@ class LowMemoryAdamW(torch.optim.Optimizer):
         factored: bool = True,
         rounding: Literal["stochastic", "kahan"] = "stochastic",
         fused: bool = True,
+        offload: bool = False,
         seed: int = 0,
     ) -> None:
         betas = tuple(betas)
@@ -83,6 +94,7 @@ class LowMemoryAdamW(torch.optim.Optimizer):
         if rounding not in ("kahan", "stochastic"):
             raise ValueError(f"rounding: got {rounding!r}; valid: 'stochastic', 'kahan'")
         self.momentum, self.factored, self.rounding, self.fused, self.seed = momentum, factored, rounding, fused, seed
+        self.offload = offload
         self._group_of: dict[torch.Tensor, tuple[dict, int]] = {}  # weight -> (its group, its index)
         self._in_step, self._updated = False, set()
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
@@ -119,6 +131,31 @@ class LowMemoryAdamW(torch.optim.Optimizer):
                         self._update(p, p.grad)
         return loss
 
+    def init_state(self) -> None:
+        """Create the state of every trained weight that has none yet (zeros, step 0), as its first update
+        would, and put every state tensor where it lives: allocates the pinned memory of `offload` now (a
+        machine short of RAM fails at the start), moves back what Lightning moved to the GPU when it set up or
+        restored the run, and gives a memory planner a steady-state step."""
+        for p in (p for p in self._group_of if p.requires_grad):
+            state = self.state[p] = self.state[p] or self._new_state(p)
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.device != self._home(p, k):
+                    state[k] = self._allocate(p, k, v.shape, v.dtype).copy_(v)
+
+    def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """The state of `p` before its first update: zeros in `_layout`, each where `_allocate` puts it."""
+        state = {k: self._allocate(p, k, shape, dtype).zero_() for k, (shape, dtype) in self._layout(p).items()}
+        return state | {"step": 0}
+
+    def _allocate(self, p: torch.Tensor, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Memory for state `key` of weight `p` where it lives: CPU memory (pinned, for fast copies to
+        CUDA) when `offload` moves it there, else `p`'s device."""
+        pinned = torch.cuda.is_available() and p.device.type != "cpu" and self._home(p, key).type == "cpu"
+        return torch.empty(shape, dtype=dtype, device=self._home(p, key), pin_memory=pinned)
+
+    def _home(self, p: torch.Tensor, key: str) -> torch.device:
+        return torch.device("cpu") if self.offload and key in PER_VALUE else p.device
+
     def _on_gradient(self, p: torch.Tensor) -> None:
         """Backward has finished `p`'s gradient: update `p` now and free the gradient (fused step only)."""
         if not self._in_step:  # a backward outside step(closure): the gradient waits for step()
@@ -138,8 +175,7 @@ class LowMemoryAdamW(torch.optim.Optimizer):
         time, so the fp32 temporaries stay small whatever the weight's size."""
         (group, index), state = self._group_of[p], self.state[p]
         if not state:
-            state.update({k: torch.zeros(n, dtype=dtype, device=p.device) for k, (n, dtype) in self._layout(p).items()})
-            state["step"] = 0
+            state.update(self._new_state(p))
         state["step"] += 1
         step, (beta1, beta2), lr = state["step"], group["betas"], group["lr"]
         order = _memory_order(p)
@@ -153,28 +189,42 @@ class LowMemoryAdamW(torch.optim.Optimizer):
             generator = torch.Generator(p.device).manual_seed(hash((self.seed, index, step)) % 2**63)  # step only
         for start in range(0, p.numel(), CHUNK):
             end = min(start + CHUNK, p.numel())
-            g = grads[start:end].float()
-            if "exp_avg_sq" in state:
-                v = state["exp_avg_sq"][start:end].mul_(beta2).addcmul_(g, g, value=1 - beta2).clone()
-            else:  # Adafactor's rank-1 estimate r c^T / mean(r) (Shazeer & Stern 2018, algorithm 4)
-                width, first = cols.numel(), start // cols.numel()
-                v = torch.outer(rows[first : (end - 1) // width + 1] / rows_mean, cols).view(-1)
-                v = v[start - first * width : end - first * width]
-            update = v.div_(1 - beta2**step).sqrt_().add_(group["eps"])
-            update = self._first_moment(state, start, end, g, beta1).div_(1 - beta1**step).div_(update)
-            del v, g
-            weight = weights[start:end].float()
-            update.add_(weight, alpha=group["weight_decay"]).mul_(-lr)  # decoupled weight decay
-            if p.dtype == torch.float32:
-                weight.add_(update)
-            elif generator is not None:
-                weights[start:end] = _round_stochastically(weight.add_(update), generator)
-            else:  # Kahan: add back what earlier roundings lost; keep what this one loses
-                compensation = state["compensation"][start:end]
-                update.add_(compensation)
-                rounded = (weight + update).to(p.dtype)
-                compensation.copy_(update.sub_(rounded.float().sub_(weight)))
-                weights[start:end] = rounded
+            with self._chunk(state, start, end, p.device) as chunk:
+                g = grads[start:end].float()
+                if "exp_avg_sq" in state:
+                    v = chunk["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2).clone()
+                else:  # Adafactor's rank-1 estimate r c^T / mean(r) (Shazeer & Stern 2018, algorithm 4)
+                    width, first = cols.numel(), start // cols.numel()
+                    v = torch.outer(rows[first : (end - 1) // width + 1] / rows_mean, cols).view(-1)
+                    v = v[start - first * width : end - first * width]
+                update = v.div_(1 - beta2**step).sqrt_().add_(group["eps"])
+                update = self._first_moment(chunk, g, beta1).div_(1 - beta1**step).div_(update)
+                del v, g
+                weight = weights[start:end].float()
+                update.add_(weight, alpha=group["weight_decay"]).mul_(-lr)  # decoupled weight decay
+                if p.dtype == torch.float32:
+                    weight.add_(update)
+                elif generator is not None:
+                    weights[start:end] = _round_stochastically(weight.add_(update), generator)
+                else:  # Kahan: add back what earlier roundings lost; keep what this one loses
+                    compensation = chunk["compensation"]
+                    update.add_(compensation)
+                    rounded = (weight + update).to(p.dtype)
+                    compensation.copy_(update.sub_(rounded.float().sub_(weight)))
+                    weights[start:end] = rounded
+
+    @contextmanager
+    def _chunk(self, state: dict, start: int, end: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+        """The per-value state of values start:end (8-bit moment: its whole blocks) on `device`: views, or
+        copies (`offload`) that are written back afterwards. Copying back waits for the device, so the CPU
+        tensors are current whenever anything (the next step, a checkpoint) reads them."""
+        blocks, values = slice(start // BLOCK, math.ceil(end / BLOCK)), slice(start, end)
+        homes = {k: state[k][blocks if state[k].dim() == 2 else values] for k in PER_VALUE if k in state}
+        chunk = {k: v.to(device, copy=self.offload, non_blocking=True) for k, v in homes.items()}
+        yield chunk
+        for k, home in homes.items():
+            if chunk[k] is not home:
+                home.copy_(chunk[k])
 
     def _layout(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The state tensors of weight `p`, name -> (shape, dtype); values in `p`'s memory order."""
@@ -193,13 +243,12 @@ class LowMemoryAdamW(torch.optim.Optimizer):
             layout["compensation"] = ((n,), p.dtype)
         return layout
 
-    def _first_moment(self, state: dict, start: int, end: int, g: torch.Tensor, beta1: float) -> torch.Tensor:
-        """The moving average of g over values start:end, in fp32, stored back (8-bit: whole blocks)."""
+    def _first_moment(self, chunk: dict, g: torch.Tensor, beta1: float) -> torch.Tensor:
+        """The moving average of g over a `_chunk`, in fp32, stored back (8-bit: whole blocks)."""
         if self.momentum == "float32":
-            return state["exp_avg"][start:end].lerp_(g, 1 - beta1).clone()
-        codes = state["exp_avg"][start // BLOCK : math.ceil(end / BLOCK)]
-        scales = state["exp_avg_scale"][start // BLOCK : math.ceil(end / BLOCK)]
-        m = _dequantize(codes, scales, end - start).lerp_(g, 1 - beta1)
+            return chunk["exp_avg"].lerp_(g, 1 - beta1).clone()
+        codes, scales = chunk["exp_avg"], chunk["exp_avg_scale"]
+        m = _dequantize(codes, scales, g.numel()).lerp_(g, 1 - beta1)
         _quantize(m, codes, scales)
         return m
 
@@ -207,7 +256,8 @@ class LowMemoryAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Load a `state_dict()`, keeping each state tensor's own dtype (torch would cast an 8-bit moment
-        to the weight's dtype) and checking it was saved with the same settings."""
+        to the weight's dtype) and checking it was saved with the same settings; each tensor goes where
+        `offload` says, whether or not the saving optimizer offloaded it."""
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(
             len(a["params"]) != len(b["params"]) for a, b in zip(groups, saved_groups)
@@ -224,12 +274,16 @@ class LowMemoryAdamW(torch.optim.Optimizer):
                     f"the saved state of a weight of shape {list(p.shape)} holds {_describe(found)}; these settings "
                     f"({self._settings()}) need {_describe(expected)}; resume with the settings it was saved with"
                 )
-            state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v for k, v in saved.items()}
+            state[p] = {
+                k: self._allocate(p, k, v.shape, v.dtype).copy_(v) if torch.is_tensor(v) else v
+                for k, v in saved.items()
+            }
         self.state = state
         for group, saved in zip(groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
     def _settings(self) -> str:
+        """The settings that decide the state's layout; not `offload`, which decides only where it lives."""
         return f"momentum {self.momentum}, factored {self.factored}, rounding {self.rounding}"
 
     # -- what this optimizer cannot do ------------------------------------------------------------

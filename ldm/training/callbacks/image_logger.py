@@ -81,14 +81,15 @@ class ImageLogger(pl.Callback):
         was_training = pl_module.training
         pl_module.eval()
         try:
-            pipe = build_pipeline(pl_module.parts, self.sampler)
-            pipe.set_progress_bar_config(disable=True)
-            height, width = self._trained_size(pipe)
-            images = sample(
-                pipe, self.prompts, self.num_per_prompt, self.num_inference_steps, self.guidance_scale, self.seed,
-                self.height or height, self.width or width,
-                stop=lambda: getattr(trainer.checkpoint_callback, "signal", None) is not None,
-            )  # fmt: skip
+            with pl_module.frozen_parts_on_device():  # networks kept on the CPU (frozen_device) join the UNet
+                pipe = build_pipeline(pl_module.parts, self.sampler)
+                pipe.set_progress_bar_config(disable=True)
+                height, width = self._trained_size(pipe)
+                images = sample(
+                    pipe, self.prompts, self.num_per_prompt, self.num_inference_steps, self.guidance_scale, self.seed,
+                    self.height or height, self.width or width,
+                    stop=lambda: getattr(trainer.checkpoint_callback, "signal", None) is not None,
+                )  # fmt: skip
         except SamplingStopped as err:
             log.info("samples of step %d: %s by a stop signal; no grid written", trainer.global_step, err)
             return None
