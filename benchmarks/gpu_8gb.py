@@ -1,14 +1,17 @@
-"""The 8 GB check: fine-tune a real-size SD 1.5 UNet at 512 px under an 8 GiB cap, ours vs plain DDP-style.
+"""The 8 GB check: fine-tune a real-size UNet under an 8 GiB cap, ours vs the plain recipe.
 
     python benchmarks/gpu_8gb.py [--steps 20] [--cap-gib 8] [--preset configs/finetune/sd15-8gb.yaml]
+    python benchmarks/gpu_8gb.py --family sdxl [--steps 10]     # sdxl-8gb.yaml, SDXL at 1024 px
 
-Needs a CUDA GPU and the Colossal-AI environment (`pip install -e .[colossalai]`, plus
-`pip install --no-deps open_clip_torch` for the CLIP vocabulary). Weights are random (the real
-SD 1.5 component configs in configs/models/sd15, so sizes and speed are real); the data is
-random 512 px images. The process is capped with `torch.cuda.set_per_process_memory_fraction`.
+SD 1.5 (default): the preset is Colossal-AI's, so this needs the Colossal-AI environment
+(`pip install -e .[colossalai]`, plus `pip install --no-deps open_clip_torch` for the CLIP vocabulary);
+512 px. SDXL: `configs/finetune/sdxl-8gb.yaml` (bf16 UNet, LowMemoryAdamW fused and offloaded, cached
+latents and captions, frozen networks on the CPU) in the main environment; 1024 px. Weights are random
+(the real component configs in configs/models/, so sizes and speed are real); the data is random images.
+Each side runs in its own process, capped with `torch.cuda.set_per_process_memory_fraction`.
 Each run is `ldm.training.run.train` on the preset, so it is the path users run; the baseline swaps in
-Lightning's default strategy, 16-mixed autocast and torch AdamW (expected to run out of memory).
-Prints one line per run and a JSON line; the last line is the headline.
+Lightning's default strategy, mixed-precision autocast and torch AdamW on fp32 weights (expected to run
+out of memory). Prints one line per run and a JSON line; the last line is the headline.
 """
 
 from __future__ import annotations
@@ -60,6 +63,41 @@ def random_sd15(out: Path) -> Path:
     return out
 
 
+def random_sdxl(out: Path) -> Path:
+    """A diffusers folder with SDXL 1.0 base's real component configs, random bf16 weights, real CLIP tokenizers."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ldm.components.tokenizers import write_clip_tokenizer
+
+    src = REPO / "configs" / "models" / "sdxl"
+    for name, cls in (("unet", UNet2DConditionModel), ("vae", AutoencoderKL)):
+        cls.from_config(cls.load_config(src / name)).to(torch.bfloat16).save_pretrained(out / name)
+    for name, cls in (("text_encoder", CLIPTextModel), ("text_encoder_2", CLIPTextModelWithProjection)):
+        cls(CLIPTextConfig.from_pretrained(src / name)).to(torch.bfloat16).save_pretrained(out / name)
+    EulerDiscreteScheduler.from_config(EulerDiscreteScheduler.load_config(src / "scheduler")).save_pretrained(
+        out / "scheduler"
+    )
+    write_clip_tokenizer(out / "tokenizer")
+    write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
+    index = {"_class_name": "StableDiffusionXLPipeline", "_diffusers_version": "0.30.0"}
+    for name, (library, cls) in {"unet": ("diffusers", "UNet2DConditionModel"), "vae": ("diffusers", "AutoencoderKL"),
+                                 "text_encoder": ("transformers", "CLIPTextModel"),
+                                 "text_encoder_2": ("transformers", "CLIPTextModelWithProjection"),
+                                 "tokenizer": ("transformers", "CLIPTokenizer"),
+                                 "tokenizer_2": ("transformers", "CLIPTokenizer"),
+                                 "scheduler": ("diffusers", "EulerDiscreteScheduler")}.items():  # fmt: skip
+        index[name] = [library, cls]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+FAMILIES = {  # weights, preset, image size
+    "sd15": (random_sd15, REPO / "configs" / "finetune" / "sd15-8gb.yaml", 512),
+    "sdxl": (random_sdxl, REPO / "configs" / "finetune" / "sdxl-8gb.yaml", 1024),
+}
+
+
 def random_images(out: Path, n: int = 32, size: int = 512) -> Path:
     import numpy as np
     from PIL import Image
@@ -99,33 +137,37 @@ def run(name: str, preset: str, overrides: list[str], steps: int, logdir: Path) 
     return result
 
 
-PLAIN = [  # Lightning's default strategy (one-GPU DDP), AMP fp16 and torch AdamW: the usual recipe
-    "lightning.trainer.strategy=auto",
-    "model.params.optimizer.target=torch.optim.AdamW",
-    "lightning.trainer.precision=16-mixed",
-]
+PLAIN = {  # Lightning's default strategy, mixed-precision autocast and torch AdamW: the usual recipe
+    "sd15": ["lightning.trainer.strategy=auto", "model.params.optimizer.target=torch.optim.AdamW",
+             "lightning.trainer.precision=16-mixed"],
+    "sdxl": ["model.params.optimizer.target=torch.optim.AdamW", "model.params.optimizer.params={weight_decay: 0.01}",
+             "model.params.trainable_dtype=null", "model.params.frozen_device=null"],
+}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cap-gib", type=float, default=8.0)
-    parser.add_argument("--preset", default=str(REPO / "configs" / "finetune" / "sd15-8gb.yaml"))
-    parser.add_argument("--only", choices=("colossalai", "plain"), help="run one side in this process (internal)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="sd15")
+    parser.add_argument("--preset", default=None, help="default: the family's 8 GB preset")
+    parser.add_argument("--only", choices=("preset", "plain"), help="run one side in this process (internal)")
     parser.add_argument("--workdir", type=Path, help="weights and images made by the parent run (internal)")
     args = parser.parse_args()
+    write_weights, preset, size = FAMILIES[args.family]
+    args.preset = args.preset or str(preset)
     if not torch.cuda.is_available():
         sys.exit("gpu_8gb.py needs a CUDA GPU")
     if args.only:  # one side per process, so the other side's allocations cannot count against it
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
         overrides = [
-            f"model.params.pretrained={args.workdir / 'sd15'}",
+            f"model.params.pretrained={args.workdir / args.family}",
             f"data.params.root={args.workdir / 'images'}",
             "data.params.num_workers=2",
             "lightning.trainer.accumulate_grad_batches=1",
             "lightning.modelcheckpoint.params.every_n_train_steps=100000",
-            *(PLAIN if args.only == "plain" else []),
+            *(PLAIN[args.family] if args.only == "plain" else []),
         ]
         run(args.only, args.preset, overrides, args.steps, args.workdir / "logs")
         return
@@ -134,17 +176,17 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        random_sd15(work / "sd15")
-        random_images(work / "images")
-        for side in ("colossalai", "plain"):
+        write_weights(work / args.family)
+        random_images(work / "images", size=size)
+        for side in ("preset", "plain"):
             command = [sys.executable, __file__, "--only", side, "--workdir", str(work), "--steps", str(args.steps),
-                       "--cap-gib", str(args.cap_gib), "--preset", args.preset]  # fmt: skip
+                       "--cap-gib", str(args.cap_gib), "--preset", args.preset, "--family", args.family]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith('{"run"')]
             results[side] = json.loads(lines[-1]) if lines else {"run": side, "status": f"exit {done.returncode}"}
             if not lines:
                 print(done.stderr[-3000:], file=sys.stderr)
-    print(json.dumps({"cap_gib": args.cap_gib, "steps": args.steps, **results}))
+    print(json.dumps({"family": args.family, "cap_gib": args.cap_gib, "steps": args.steps, **results}))
 
 
 if __name__ == "__main__":

@@ -292,7 +292,8 @@ def test_old_colossalai_config_is_translated(tmp_path):
 
 def test_planner_placement_matches_what_zero_allocates(tiny_sd, image_folder, tmp_path):
     """The planner's byte arithmetic for ZeRO + CPU offload against the optimizer of a real run."""
-    from ldm.training.memory import place, plan_training_step
+    from ldm.training.memory import plan_training_step
+    from ldm.training.placement import place
 
     record = tmp_path / "bytes.json"
     extra = [

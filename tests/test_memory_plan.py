@@ -3,8 +3,11 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from ldm.config import load_config
 from ldm.training.memory import GIB, plan_training_step
+from ldm.training.placement import place
 
 SD_FOLDER = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "sd-folder.yaml"
 
@@ -59,3 +62,31 @@ def test_a_colossal_preset_is_planned_without_colossal_ai(tiny_sd, image_folder)
         assert "HybridAdam and ColossalAIStrategy need Colossal-AI" in line and "pip install -e .[colossalai]" in line
     else:
         assert lacks == []
+
+
+@pytest.mark.parametrize("preset", ["sdxl-8gb", "sdxl-lora-8gb"])
+def test_sdxl_8gb_presets_are_traced_as_they_train(preset, tiny_sdxl, image_folder):
+    """bf16 weights, LowMemoryAdamW fused and offloaded (its state made before the step), LoRA adapters, cached
+    latents and captions: the fake trace agrees with a real one, and the placement keeps the frozen networks
+    and the offloaded state off the GPU."""
+    cfg, _ = load_config(
+        [SD_FOLDER.parent / f"{preset}.yaml"],
+        [f"model.params.pretrained={tiny_sdxl}", f"data.params.root={image_folder}", "data.params.size=32"],
+    )
+    fake, real = plan_training_step(cfg), plan_training_step(cfg, fake=False)
+    assert fake.peak == real.peak > 0 and fake.parts == real.parts
+    parts = {p.name: p for p in fake.parts}
+    unet = parts["unet"]
+    if preset == "sdxl-8gb":
+        assert unet.weights == 2 * unet.parameters, "bf16 weights"
+        assert unet.gradients == 0, "the fused step keeps no gradients"
+        assert unet.parameters < unet.optimizer_states < 2 * unet.parameters, "8-bit moment + factored (AdamW: 8 bytes)"
+    else:
+        adapters = unet.gradients // 4  # fp32 adapters, the only weights with gradients
+        assert unet.weights == 2 * (unet.parameters - adapters) + 4 * adapters, "bf16 base weights, fp32 adapters"
+        assert unet.optimizer_states == 2 * unet.gradients > 0, "AdamW's two fp32 moments of the adapters only"
+    placement = place(fake, cfg)
+    on_cpu = {(part, state) for part, state, device, nbytes in placement.rows if device == "cpu" and nbytes}
+    frozen = {(name, "weights (frozen)") for name in ("vae", "text_encoder", "text_encoder_2")}
+    assert on_cpu == (frozen | {("unet", "optimizer state")} if preset == "sdxl-8gb" else frozen)
+    assert placement.total("gpu") + placement.total("cpu") == fake.peak

@@ -12,21 +12,25 @@ from main import main
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "finetune").glob("*.yaml"))
-COLOSSAL = {"sd15-8gb", "sd15-24gb", "sd15-nvme", "sd2-base-8gb"}  # ColossalAIStrategy presets
+COLOSSAL = {"sd15-8gb", "sd15-24gb", "sd15-nvme", "sd2-base-8gb", "sdxl-gemini-8gb"}  # ColossalAIStrategy presets
 HAS_COLOSSAL = importlib.util.find_spec("colossalai") is not None
 
 
 def test_every_preset_is_covered():
-    assert set(PRESETS) == {"sd-folder", "sd15-cpu-lowmem", "sd15-lora"} | COLOSSAL
+    assert (
+        set(PRESETS)
+        == {"sd-folder", "sd15-cpu-lowmem", "sd15-lora", "sdxl-8gb", "sdxl-24gb", "sdxl-lora-8gb"} | COLOSSAL
+    )
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_preset_trains_a_step_on_the_cpu_or_refuses_in_one_line(preset, tiny_sd, image_folder, tmp_path, capsys):
+def test_preset_trains_a_step_on_the_cpu_or_refuses_in_one_line(preset, request, image_folder, tmp_path, capsys):
     if preset in COLOSSAL and HAS_COLOSSAL:
         pytest.skip("the Colossal-AI presets train on a CPU only with tests/colossalai_cpu.py (test_colossalai.py)")
+    weights = request.getfixturevalue("tiny_sdxl" if preset.startswith("sdxl") else "tiny_sd")
     argv = [
         "-t", "-b", str(REPO / "configs" / "finetune" / f"{preset}.yaml"), "-l", str(tmp_path / "logs"),
-        f"model.params.pretrained={tiny_sd}", f"data.params.root={image_folder}", "data.params.size=16",
+        f"model.params.pretrained={weights}", f"data.params.root={image_folder}", "data.params.size=16",
         "data.params.batch_size=2", "data.params.num_workers=0", "lightning.trainer.max_steps=1",
         "lightning.trainer.accumulate_grad_batches=1", "lightning.callbacks.image_logger=null",
     ]  # fmt: skip

@@ -15,7 +15,8 @@ import sys
 
 from ldm.config import ConfigError, ConfigErrors, load_config
 from ldm.training.checks import MissingPackage, check_config
-from ldm.training.memory import place, plan_training_step
+from ldm.training.memory import plan_training_step
+from ldm.training.placement import place
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,21 +1,24 @@
 """Plan the memory of one training step without a GPU: trace it on fake tensors.
 
-The networks are built from their configs under `FakeTensorMode` (no weights, no real memory),
-and the system's own training step (`LatentDiffusion.loss`, what `training_step` computes: text and VAE encoding, the
-denoiser's forward and backward) and an AdamW step run under torch's `MemTracker`, which
-attributes every allocation to parameters, gradients, optimizer states, activations or
-temporaries and records the peak.
+The networks are built from their configs on the meta device and given fake storage (no weights, no real
+memory), and the system's own training step (`LatentDiffusion.loss`, what `training_step` computes: text and
+VAE encoding unless cached, the denoiser's forward and backward) and the optimizer's step run under torch's
+`MemTracker`, which attributes every allocation to parameters, gradients, optimizer states, activations or
+temporaries and records the peak. Where a strategy or offload puts each part: `ldm.training.placement`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from ldm.components.build import (
     DEFAULT_CLASSES,
@@ -28,8 +31,7 @@ from ldm.components.build import (
 from ldm.components.memory import DTYPES
 from ldm.config import ConfigError, import_target, to_plain
 from ldm.training.model import latent_diffusion
-from ldm.training.strategies import TARGET as COLOSSAL_TARGET
-from ldm.training.strategies.options import resolved
+from ldm.training.optim import LowMemoryAdamW
 
 GIB = 1024**3
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
@@ -116,13 +118,62 @@ def _tokenizer(params: dict, text_config: dict, name: str = "tokenizer") -> Any:
 
 
 def _build(cls: type, config: dict, dtype: torch.dtype) -> torch.nn.Module:
-    """Build a part with its parameters created in `dtype` (fake modules cannot be cast afterwards)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        return module_from_config(cls, config)
-    finally:
-        torch.set_default_dtype(previous)
+    """Build a part and cast it to `dtype`, as training does (built with `dtype` as the default, transformers'
+    text models would keep fp32 weights)."""
+    return module_from_config(cls, config).to(dtype)
+
+
+class _Tracker(MemTracker):
+    """torch's `MemTracker`, leaving alone the weights that take no gradient (it hooks every weight's gradient,
+    which a frozen one cannot have): frozen parts and a LoRA's base weights stay frozen in the trace. It keeps
+    the whole step's peak only: the per-module peaks cost a walk over every module at every operation, which
+    made a full-size SDXL step with a fused optimizer take hours."""
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = copy.deepcopy(snapshot)
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> Any:
+        for p in module.parameters():
+            if not p.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _optimizer(params: dict, system: Any) -> torch.optim.Optimizer:
+    """The configured optimizer where the planner can trace it (`LowMemoryAdamW`, its state created first, as in
+    every step after the first); AdamW otherwise (Colossal-AI's place their states by `place`'s arithmetic)."""
+    spec = params.get("optimizer") or {}
+    if spec.get("target") == f"{LowMemoryAdamW.__module__}.{LowMemoryAdamW.__name__}":
+        optimizer = LowMemoryAdamW(system.trained_parameters(), **(spec.get("params") or {}))
+        optimizer.init_state()
+        return optimizer
+    return torch.optim.AdamW(system.trained_parameters(), lr=1e-4, foreach=False)
+
+
+def _batch(system: Any, params: dict, data: dict, batch_size: int, resolution: int) -> dict:
+    """A batch as the data gives it: images and captions, or latents and encoded captions where they are cached
+    (`cache_latents` / `cache_text`), as shards hold them."""
+    vae = system.vae.config
+    batch: dict = {"caption": [""] * batch_size}
+    if not data.get("cache_latents"):
+        batch["pixel_values"] = torch.zeros(batch_size, vae.in_channels, resolution, resolution)
+    else:
+        side = resolution // 2 ** (len(vae.block_out_channels) - 1)
+        batch["latents"] = torch.zeros(batch_size, vae.latent_channels, side, side)
+        if params.get("sample_latents", True):
+            batch["latent_std"] = torch.zeros_like(batch["latents"])
+    if data.get("cache_text"):
+        with torch.no_grad():
+            batch["cond"] = system.encode_text(batch["caption"])
+    return batch
 
 
 def plan_training_step(
@@ -130,10 +181,12 @@ def plan_training_step(
 ) -> MemoryPlan:
     """Trace one training step of the model in `cfg` (a loaded config) on fake tensors.
 
+    The networks are built in their configured dtypes (`trainable_dtype`, `frozen_dtype`), with the configured
+    LoRA adapters; `LowMemoryAdamW` is traced as configured (its state present, its step fused into backward),
+    any other optimizer as AdamW. A data config that caches latents and captions gives batches of them.
     `fake=False` runs the same step on real tensors, to check the fake trace on a small model.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     params = to_plain(cfg.model.params)
     data = to_plain(cfg.data.params) if "params" in cfg.data else {}
@@ -143,6 +196,8 @@ def plan_training_step(
     precision = str(trainer.get("precision", "32-true"))
     trainable = tuple(params.get("trainable", ("unet",)))
     frozen_dtype = DTYPES[params["frozen_dtype"]] if params.get("frozen_dtype") else torch.float32
+    trained_dtype = DTYPES[params["trainable_dtype"]] if params.get("trainable_dtype") else torch.float32
+    lora = params.get("lora")
     autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     if precision not in ("32-true", "32", "bf16-mixed", "16-mixed"):
         raise ConfigError(
@@ -155,47 +210,70 @@ def plan_training_step(
     scheduler_spec = part_spec("scheduler", params.get("scheduler"), params.get("pretrained"))
     scheduler = build_part("scheduler", scheduler_spec, "model.params.scheduler")
 
-    tracker = MemTracker()
-    # Real tensors that meet fake ones (the noise schedule, token ids) become fake on the way.
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), tracker:
+    tracker = _Tracker()
+    # The networks are built on the meta device (no memory; fake tensors could not be cast, as LoRA's adapters are)
+    # and then given fake storage; real tensors that meet fake ones (the noise schedule, token ids) become fake.
+    with torch.device("meta") if fake else contextlib.nullcontext():
         modules = {
-            name: _build(cls, config, torch.float32 if name in trainable else frozen_dtype)
+            name: _build(cls, config, trained_dtype if name in trainable and not lora else frozen_dtype)
             for name, (cls, config) in configs.items()
         }
-        # The system's own training step: the one `main.py` runs, with the options that change memory.
-        system = latent_diffusion(
-            **modules,
-            **tokenizers,
-            scheduler=scheduler,
-            trainable=trainable,
-            snr_gamma=params.get("snr_gamma"),
-            gradient_checkpointing=bool(params.get("gradient_checkpointing")),
-        )
-        # MemTracker hooks every parameter's gradient, so frozen parts keep requires_grad; the system
-        # runs them under no_grad, so they still get no gradients, and the optimizer never sees them.
-        for module in modules.values():
-            module.requires_grad_(True)
-        optimizer = torch.optim.AdamW(system.trained_parameters(), lr=1e-4, foreach=False)
+    # The system's own training step: the one `main.py` runs, with the options that change memory.
+    system = latent_diffusion(
+        **modules,
+        **tokenizers,
+        scheduler=scheduler,
+        trainable=trainable,
+        snr_gamma=params.get("snr_gamma"),
+        gradient_checkpointing=bool(params.get("gradient_checkpointing")),
+        lora=lora,
+        sample_latents=params.get("sample_latents", True),
+    )
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        if fake:
+            system.to_empty(device="cpu")
+            modules = {name: getattr(system, name) for name in modules}
+        optimizer = _optimizer(params, system)
         system.train()
-        channels = modules["vae"].config.in_channels
-        batch = {
-            "pixel_values": torch.zeros(batch_size, channels, resolution, resolution),
-            "caption": [""] * batch_size,
-        }
-        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
-            loss = system.loss(batch)  # what training_step computes, before its NaN guard and logging
-        loss.backward()
-        backward_peak = _by_category(tracker)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        trained, gradients = system.trained_parameters(), {}
+
+        def closure() -> torch.Tensor:
+            with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+                loss = system.loss(batch)  # what training_step computes, before its NaN guard and logging
+            loss.backward()
+            gradients.update({p: p.grad.numel() * p.grad.element_size() for p in trained if p.grad is not None})
+            return loss
+
+        with tracker, warnings.catch_warnings():
+            # the fused step frees each gradient before the tracker's own hook looks at it
+            warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass", UserWarning)
+            tracker.track_external(system, optimizer)
+            batch = _batch(system, params, data, batch_size, resolution)
+            if isinstance(optimizer, LowMemoryAdamW):
+                optimizer.step(closure)  # the update runs inside backward (fused), or right after it
+                backward_peak = _by_category(tracker)
+            else:
+                closure()
+                backward_peak = _by_category(tracker)
+                optimizer.step()
+            states = {
+                p: sum(t.numel() * t.element_size() for t in s.values() if torch.is_tensor(t) and t.dim())
+                for p, s in optimizer.state.items()
+            }  # step counters not counted
+            optimizer.zero_grad(set_to_none=True)
     totals = _by_category(tracker)
     parts = []
     for name, module in modules.items():
-        n = sum(p.numel() for p in module.parameters())
-        weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        is_trained = name in trainable
+        weights = list(module.parameters())
         parts.append(
-            PartMemory(name, n, is_trained, weight_bytes, 4 * n if is_trained else 0, 8 * n if is_trained else 0)
+            PartMemory(
+                name,
+                sum(p.numel() for p in weights),
+                name in trainable,
+                sum(p.numel() * p.element_size() for p in weights),
+                sum(gradients.get(p, 0) for p in weights),
+                sum(states.get(p, 0) for p in weights),
+            )
         )
     return MemoryPlan(
         batch_size,
@@ -216,82 +294,3 @@ def _by_category(tracker: Any) -> dict[str, int]:
             label = getattr(key, "value", str(key))
             totals[label] = totals.get(label, 0) + value
     return totals
-
-
-@dataclass
-class Placement:
-    """Where a strategy keeps each kind of state: (part, state, device, bytes) rows, totals per device."""
-
-    strategy: str
-    rows: list[tuple[str, str, str, int]]
-
-    def total(self, device: str) -> int:
-        return sum(b for _, _, d, b in self.rows if d == device)
-
-    def table(self, gpu_gib: float | None = None) -> str:
-        lines = [f"placement under {self.strategy}", f"{'part':<14}{'state':<32}{'device':<8}{'GiB':>8}"]
-        lines += [f"{part:<14}{state:<32}{device:<8}{b / GIB:>8.2f}" for part, state, device, b in self.rows if b]
-        totals = ", ".join(f"{d} {self.total(d) / GIB:.2f} GiB" for d in ("gpu", "cpu", "nvme") if self.total(d))
-        lines.append(f"totals: {totals}")
-        if gpu_gib is not None:
-            verdict = "fits" if self.total("gpu") <= gpu_gib * GIB else "does NOT fit"
-            lines.append(f"{verdict} a {gpu_gib:g} GiB GPU (CUDA context and allocator slack not counted)")
-        return "\n".join(lines)
-
-
-def place(plan: MemoryPlan, cfg: Any) -> Placement | None:
-    """Split the traced step's memory over GPU, CPU and NVMe as the configured ColossalAIStrategy would.
-
-    `cfg` is a checked config (`ldm.training.checks.check_config`), its strategy settings in their groups.
-
-    Arithmetic on the traced sizes: half-precision working weights (2 B/param), fp32 master weights
-    (4 B), Adam moments (8 B). Gemini reuses its fp16 chunks for gradients unless accumulating; ZeRO
-    keeps gradients beside the weights, or fp32 ones on the CPU with cpu_offload. Activations and
-    temporaries are the traced ones at the forward/backward peak. None for other strategies.
-    """
-    trainer = to_plain((cfg.get("lightning") or {}).get("trainer") or {})
-    strategy = trainer.get("strategy")
-    if not isinstance(strategy, dict) or strategy.get("target") != COLOSSAL_TARGET:
-        return None
-    sp = strategy.get("params") or {}
-    optimizer = (to_plain(cfg.model.params).get("optimizer") or {}).get("params") or {}
-    nvme = float(optimizer.get("nvme_offload_fraction") or 0.0)
-    accumulate = int(trainer.get("accumulate_grad_batches", 1)) > 1
-    plugin = sp.get("plugin", "gemini")
-    gemini, zero = resolved("gemini", sp.get("gemini")), resolved("zero", sp.get("zero"))
-    rows: list[tuple[str, str, str, int]] = []
-
-    def split(part: str, state: str, nbytes: float, gpu_share: float) -> None:
-        rows.append((part, state, "gpu", int(nbytes * gpu_share)))
-        rows.append((part, state, "cpu", int(nbytes * (1 - gpu_share))))
-
-    for p in plan.parts:
-        n = p.parameters
-        if not p.trainable:
-            rows.append((p.name, "weights (frozen, half)", "gpu", 2 * n))
-        elif plugin == "gemini":
-            weights_gpu = 1.0 - float(gemini["offload_param_frac"])
-            optim_gpu = 1.0 - float(gemini["offload_optim_frac"])
-            split(p.name, "weights (fp16 chunks)", 2 * n, weights_gpu)
-            if accumulate:
-                split(p.name, "gradients (fp16, accumulated)", 2 * n, weights_gpu)
-            split(p.name, "master weights (fp32)", 4 * n, optim_gpu)
-            rows.append((p.name, "Adam moments (fp32)", "gpu", int(8 * n * optim_gpu)))
-            rows.append((p.name, "Adam moments (fp32)", "cpu", int(8 * n * (1 - optim_gpu) * (1 - nvme))))
-            rows.append((p.name, "Adam moments (fp32)", "nvme", int(8 * n * (1 - optim_gpu) * nvme)))
-        else:
-            offload = bool(zero["cpu_offload"])
-            width = 4 if str(trainer.get("precision", "16-mixed")).startswith("32") else 2
-            device = "cpu" if offload else "gpu"
-            rows.append((p.name, "weights (working)", "gpu", width * n))
-            if offload:
-                rows.append((p.name, "gradient bucket", "gpu", 2 * 2**20 * int(zero["reduce_bucket_size_m"])))
-                rows.append((p.name, "gradients (fp32)", "cpu", 4 * n))
-            else:
-                rows.append((p.name, "gradients", "gpu", width * n))
-            if width == 2:
-                rows.append((p.name, "master weights (fp32)", device, 4 * n))
-            rows.append((p.name, "Adam moments (fp32)", device, int(8 * n * (1 - nvme))))
-            rows.append((p.name, "Adam moments (fp32)", "nvme", int(8 * n * nvme)))
-    rows.append(("step", "activations + temporaries", "gpu", plan.activations))
-    return Placement(f"ColossalAIStrategy ({plugin})", rows)
