@@ -3,6 +3,8 @@ pipeline fine-tuned through main.py, resumed, exported and read back by diffuser
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,8 @@ from ldm.sampling import build_pipeline, sample
 from ldm.weights.checkpoint import load_checkpoint
 from ldm.weights.read import parts_from_checkpoint, read_parts
 from tests.helpers import finetune_args, train_once
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_sdxl_family_is_sdxl_base_at_full_size():
@@ -381,3 +385,33 @@ def test_v_prediction_sdxl_is_a_family_its_single_files_mark_and_readers_detect(
     tiny.scheduler = EulerDiscreteScheduler.from_config({**tiny.scheduler.config, "rescale_betas_zero_snr": True})
     written = load_file(str(save_single_file(tiny, tmp_path / "tiny-v.safetensors")))
     assert written["v_pred"].numel() == written["ztsnr"].numel() == 0
+
+
+def test_the_sdxl_8gb_preset_resumes_to_the_weights_of_an_unbroken_run(tiny_sdxl, image_folder, tmp_path):
+    """sdxl-8gb.yaml (bf16 UNet, LowMemoryAdamW fused with its state offloaded, caches, frozen networks held on the
+    CPU) stopped after 2 steps and resumed with `-r auto` ends where 4 unbroken steps do, weights and 8-bit state
+    to the bit (on this CPU the offloaded state and the weights share a device; the GPU case is unrun)."""
+    from main import main
+
+    preset = REPO / "configs" / "finetune" / "sdxl-8gb.yaml"
+
+    def run(logs, steps, *extra):
+        argv = ["-t", "-b", str(preset), "-l", str(logs), "-n", "xl", "-s", "3", f"model.params.pretrained={tiny_sdxl}",
+                f"data.params.root={image_folder}", "data.params.size=16", "data.params.batch_size=2",
+                "data.params.num_workers=0", "model.params.learning_rate=1e-3", f"lightning.trainer.max_steps={steps}",
+                "lightning.modelcheckpoint.params.every_n_train_steps=2", *extra]  # fmt: skip
+        assert main(argv) == 0
+        (run_dir,) = logs.iterdir()
+        return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+
+    unbroken = run(tmp_path / "unbroken", 4)
+    run(tmp_path / "broken", 2)
+    resumed = run(tmp_path / "broken", 4, "-r", "auto")
+    assert unbroken["global_step"] == resumed["global_step"] == 4
+    unet = {k: v for k, v in unbroken["state_dict"].items() if k.startswith("unet.")}
+    assert unet and all(v.dtype == torch.bfloat16 and torch.equal(v, resumed["state_dict"][k]) for k, v in unet.items())
+    (a,), (b,) = unbroken["optimizer_states"], resumed["optimizer_states"]
+    for index, state in a["state"].items():
+        assert state["exp_avg"].dtype == torch.int8
+        assert all(torch.equal(v, b["state"][index][k]) if torch.is_tensor(v) else v == b["state"][index][k]
+                   for k, v in state.items())  # fmt: skip
