@@ -90,3 +90,15 @@ def test_sdxl_8gb_presets_are_traced_as_they_train(preset, tiny_sdxl, image_fold
     frozen = {(name, "weights (frozen)") for name in ("vae", "text_encoder", "text_encoder_2")}
     assert on_cpu == (frozen | {("unet", "optimizer state")} if preset == "sdxl-8gb" else frozen)
     assert placement.total("gpu") + placement.total("cpu") == fake.peak
+
+
+def test_shards_are_planned_as_precomputed_latents_and_captions(tiny_sd, image_folder):
+    """A shards config trains on stored latents and caption embeddings: planned as a folder with both caches (the
+    VAE and text encoder do not run in the step), not as one that encodes images every step."""
+    args = (tiny_sd, image_folder, "data.params.size=32", "model.params.frozen_dtype=float16")
+    shards = plan_training_step(config(*args, "data.target=ldm.data.shards.ShardDataModule"), fake=False)
+    cached = plan_training_step(config(*args, "data.params.cache_latents=true", "data.params.cache_text=true"),
+                                fake=False)  # fmt: skip
+    encoding = plan_training_step(config(*args), fake=False)
+    assert shards.peak == cached.peak != encoding.peak
+    assert shards.peak_by_category == cached.peak_by_category

@@ -34,6 +34,7 @@ from ldm.training.model import latent_diffusion
 from ldm.training.optim import LowMemoryAdamW
 
 GIB = 1024**3
+SHARDS = "ldm.data.shards.ShardDataModule"
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
 
 
@@ -160,7 +161,7 @@ def _optimizer(params: dict, system: Any) -> torch.optim.Optimizer:
 
 def _batch(system: Any, params: dict, data: dict, batch_size: int, resolution: int) -> dict:
     """A batch as the data gives it: images and captions, or latents and encoded captions where they are cached
-    (`cache_latents` / `cache_text`), as shards hold them."""
+    (`cache_latents` / `cache_text`) or precomputed (shards)."""
     vae = system.vae.config
     batch: dict = {"caption": [""] * batch_size}
     if not data.get("cache_latents"):
@@ -190,6 +191,8 @@ def plan_training_step(
 
     params = to_plain(cfg.model.params)
     data = to_plain(cfg.data.params) if "params" in cfg.data else {}
+    if cfg.data.get("target") == SHARDS:  # latents and caption embeddings precomputed
+        data = {**data, "cache_latents": True, "cache_text": True}
     trainer = to_plain((cfg.get("lightning") or {}).get("trainer") or {})
     batch_size = batch_size or int(data.get("batch_size", 1))
     resolution = resolution or int(data.get("size", 512))

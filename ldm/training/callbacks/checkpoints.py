@@ -165,7 +165,7 @@ class Checkpoints(Checkpoint):
         if streaming:
             io.collect_failures, io.failure = True, None
         try:
-            trainer.save_checkpoint(partial)
+            trainer.save_checkpoint(partial, weights_only=False)  # the whole state: optimizer, loops, callbacks
         except (OSError, RuntimeError) as err:
             self._fail(trainer, partial, err)
         finally:
