@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from examples.digits.quickstart import run_quickstart
+from ldm.cli.noise import quiet
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,8 +19,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--autoencoder-steps", type=int, default=None, help="override stage 1's max_steps")
     parser.add_argument("--ldm-steps", type=int, default=None, help="override stage 2's max_steps")
     parser.add_argument("--samples-per-digit", type=int, default=10)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet(args.verbose)
     report = run_quickstart(Path(args.out), args.autoencoder_steps, args.ldm_steps, args.samples_per_digit)
     out = Path(args.out)
     print(

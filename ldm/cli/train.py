@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ldm.cli.noise import quiet
 from ldm.config import ConfigError
 from ldm.training.checkpoint_io import CheckpointError
 from ldm.training.run import RunStopped, train
@@ -29,6 +30,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="true|false",
         help="scale model.base_learning_rate by accumulation x devices x batch size, as CompVis (default: true)",
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' noise (ldm.cli.noise)")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides; win over files")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after flags
 
@@ -42,6 +44,7 @@ def _boolean(value: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet(args.verbose)
     if not args.train:
         print(f"{Path(sys.argv[0]).name}: nothing to do; pass -t to train", file=sys.stderr)
         return 2
