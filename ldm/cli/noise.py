@@ -34,7 +34,7 @@ class _Hide(logging.Filter):
         self.pattern = re.compile(pattern)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not self.pattern.match(record.getMessage())
+        return not self.pattern.search(record.getMessage())  # Lightning may prefix "[rank: 0] "
 
 
 _installed: list[tuple[logging.Logger, _Hide]] = []
