@@ -18,7 +18,7 @@ $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,ui]"
 	# open_clip_torch only for its CLIP BPE vocabulary file; --no-deps keeps its other dependencies out.
 	$(PY) -m pip install -q --no-deps open_clip_torch
 	touch $@

@@ -34,6 +34,8 @@ setup(
             "ldm-sample=ldm.cli.txt2img:main",
             "ldm-plan-memory=ldm.cli.plan_memory:main",
             "ldm-precompute=ldm.cli.precompute:main",
+            "ldm-report=ldm.cli.report:main",
+            "ldm-ui=ldm.cli.ui:main",
         ]
     },
     extras_require={
@@ -42,6 +44,9 @@ setup(
         # Precomputed shards, streamed and mixed (README, "Pretrain from scratch"). streaming imports torchvision,
         # so torch needs its matching torchvision (torch 2.14.1 + torchvision 0.29.1, or 2.5.1 + 0.20.1).
         "pretrain": PRETRAIN,
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "ruff>=0.6", *PRETRAIN],  # the tests train from shards too
+        # ldm-ui, the local web app (README, "Look at a run").
+        "ui": ["gradio>=5,<7"],
+        # The tests train from shards too; selenium drives Debian's chromium in the browser test of ldm-ui.
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "ruff>=0.6", "selenium>=4.20", *PRETRAIN],
     },
 )

@@ -100,7 +100,8 @@ FLOORS = {
     "ldm.training": 7,
     "ldm.export": 8,
     "ldm.models": 8,
-    "ldm.cli": 9,
+    "ldm.ui": 9,
+    "ldm.cli": 10,
 }
 
 

@@ -36,7 +36,7 @@ class Record(pl.Callback):
 
 
 def fit(tmp_path, **trainer_kwargs):
-    bar = StepProgressBar()
+    bar = StepProgressBar(lines=False)
     record = Record(bar)
     trainer = pl.Trainer(
         callbacks=[bar, record], logger=False, enable_checkpointing=False, default_root_dir=tmp_path, **trainer_kwargs
@@ -51,7 +51,7 @@ def test_a_run_bounded_by_steps_counts_steps_out_of_max_steps_across_epochs(tmp_
     assert [total for _, _, total in seen] == [7] * 11
     assert [n for _, n, _ in seen] == [0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7]
     assert [desc for desc, _, _ in seen] == [f"epoch {e}: " for e in (0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3)]
-    assert "v_num" not in bar.train_progress_bar.postfix and "train/loss" in bar.train_progress_bar.postfix
+    assert "v_num" not in bar.train_progress_bar.postfix and "loss=" in bar.train_progress_bar.postfix
 
 
 def test_a_run_bounded_by_epochs_counts_the_batches_of_each_epoch(tmp_path):

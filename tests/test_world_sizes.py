@@ -216,7 +216,7 @@ def test_the_run_log_gives_one_batchs_flops_and_the_throughput_per_process(tiny_
 
     run_dir, _ = one_process
     log = (run_dir / "train.log").read_text()
-    counted = float(re.search(r"FLOPs of one training batch of 16 on one process \(counted once\): (\S+)", log)[1])
+    counted = 16 * float(re.search(r"; (\S+) FLOPs per image \(counted once\)", log)[1])
     summary = re.search(r"throughput: .* images/s \((\S+) per process\); (\S+) TFLOP/s per process (.*)", log)
     assert summary, log[-2000:]
     assert "(no dense float32 peak known for cpu: no MFU)" in summary[3]

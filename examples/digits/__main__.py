@@ -6,11 +6,10 @@ Writes OUT/samples.png (one row per prompt), OUT/pipeline (a diffusers folder), 
 """
 
 import argparse
-import logging
 from pathlib import Path
 
 from examples.digits.quickstart import run_quickstart
-from ldm.cli.noise import quiet
+from ldm.cli import console
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,8 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples-per-digit", type=int, default=10)
     parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    quiet(args.verbose)
+    console.setup(args.verbose)
     report = run_quickstart(Path(args.out), args.autoencoder_steps, args.ldm_steps, args.samples_per_digit)
     out = Path(args.out)
     print(

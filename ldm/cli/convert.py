@@ -17,9 +17,9 @@ single file carries `modelspec.*` metadata; for SD 2.x the original YAML goes be
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from ldm.cli import console
 from ldm.components.families import FAMILIES
 from ldm.export import convert
 
@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="allow a .ckpt that needs arbitrary unpickling (can run code): only for files you trust",
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    console.setup(args.verbose)
     try:
         out = convert(args.src, args.dst, args.half, args.ema, args.family, args.trust_pickle)
     except (FileNotFoundError, FileExistsError, ValueError) as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ldm.cli import console
 from ldm.export import export_pipeline
 from ldm.sampling import SAMPLERS
 
@@ -19,7 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
     parser.add_argument("--sampler", choices=list(SAMPLERS), default="ddim", help="scheduler written to the folder")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
+    console.setup(args.verbose)
     try:
         out = export_pipeline(args.ckpt, args.out, ema=args.ema, sampler=args.sampler)
     except (FileNotFoundError, ValueError) as err:

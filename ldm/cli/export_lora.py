@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ldm.cli import console
 from ldm.weights.checkpoint import load_checkpoint
 from ldm.weights.lora_file import checkpoint_about, checkpoint_base, merge_lora_file, save_lora, write_merged
 from ldm.weights.read import parts_from_checkpoint
@@ -36,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge", action="store_true", help="write a diffusers pipeline with the LoRA merged in")
     parser.add_argument("--ema", action="store_true", help="export the EMA of the adapters")
     parser.add_argument("--half", action="store_true", help="with --merge: fp16 weights (default: the base's dtype)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
+    console.setup(args.verbose)
     if args.lora and not (args.merge and args.pretrained):
         parser.error("--lora FILE is merged into a model: give --pretrained BASE and --merge")
     if args.ckpt and args.pretrained:

@@ -11,9 +11,9 @@ last layer, its `logit_scale` and `text_projection`; its EMA copy only if the UN
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from ldm.cli import console
 from ldm.weights.checkpoint import load_checkpoint
 from ldm.weights.read import parts_from_checkpoint, with_base_extras
 from ldm.weights.single_file import save_single_file
@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="FILE.safetensors (recommended) or FILE.ckpt")
     parser.add_argument("--half", action="store_true", help="write fp16 weights (half the size)")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    console.setup(args.verbose)
     try:
         ckpt = load_checkpoint(args.ckpt)
         parts = with_base_extras(parts_from_checkpoint(ckpt, ema=args.ema), ckpt)

@@ -21,6 +21,7 @@ LOGGED = (
     ("lightning.pytorch.utilities.rank_zero", r"`Trainer.fit` stopped: `max_steps=\d+` reached", "the run ends "
      "with its checkpoint's path"),
     ("lightning.fabric.utilities.seed", r"Seed set to", "the seed is in the run's config and checkpoints"),
+    ("httpx", r"^HTTP Request: ", "the web app's own requests to itself (Gradio's start-up checks)"),
     ("diffusers.models.modeling_utils", r"There are modules in \w+ that should be kept in float32: \[\]",
      "there are none (an empty list); the dtype casts are the config's"),
 )  # fmt: skip

@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 
+from ldm.cli import console
 from ldm.config import ConfigError, ConfigErrors, load_config
 from ldm.training.checks import MissingPackage, check_config
 from ldm.training.memory import plan_training_step
@@ -26,8 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resolution", type=int, default=None, help="image side in px; default: data.params.size")
     parser.add_argument("--gpu-gib", type=float, default=None, help="say whether the step fits a card this size")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_intermixed_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    console.setup(args.verbose)
+    if not args.verbose:
+        logging.getLogger().setLevel(logging.WARNING)  # the plan is the output
     missing: list[ConfigError] = []
     try:
         cfg, sources = load_config(args.base, args.overrides)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ldm.cli import console
 from ldm.config import ConfigError, instantiate
 from ldm.data import DataModule
 from ldm.training.launch import cluster_environment
@@ -41,12 +42,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with data.params.buckets: a bucket of fewer images joins its neighbour; give the "
                         "training run's global batch (default: 1)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides; win over files")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    console.setup(args.verbose)
     try:
         from ldm.data.precompute import PrecomputeError, precompute
     except ImportError as err:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
-from ldm.cli.noise import quiet
+from ldm.cli import console
 from ldm.config import ConfigError
 from ldm.training.checkpoint_io import CheckpointError
-from ldm.training.run import RunStopped, train
+from ldm.training.run import RunStopped, dry_run, train
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -30,6 +29,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="true|false",
         help="scale model.base_learning_rate by accumulation x devices x batch size, as CompVis (default: true)",
     )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the config, print the run's plan and exit without training"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' noise (ldm.cli.noise)")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides; win over files")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after flags
@@ -43,13 +45,15 @@ def _boolean(value: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    quiet(args.verbose)
-    if not args.train:
-        print(f"{Path(sys.argv[0]).name}: nothing to do; pass -t to train", file=sys.stderr)
+    console.setup(args.verbose)
+    if not (args.train or args.dry_run):
+        print(f"{Path(sys.argv[0]).name}: nothing to do; pass -t to train, or --dry-run for its plan", file=sys.stderr)
         return 2
     try:
-        run_dir = train(args.base, args.overrides, args.logdir, args.name, args.seed, args.resume, args.scale_lr)
+        if args.dry_run:
+            print("\n".join(dry_run(args.base, args.overrides, args.logdir, args.name, args.resume, args.scale_lr)))
+            return 0
+        train(args.base, args.overrides, args.logdir, args.name, args.seed, args.resume, args.scale_lr)
     except ConfigError as err:  # every mistake found, one line each, the key path first
         print(err, file=sys.stderr)
         return 2
@@ -59,5 +63,4 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as stop:
         print(stop, file=sys.stderr)
         return stop.exit_code
-    print(f"checkpoint: {(run_dir / 'checkpoints' / 'last.ckpt').resolve()}")
     return 0

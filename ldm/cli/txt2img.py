@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ldm.cli import console
 from ldm.export import load_pipeline
 from ldm.sampling import SAMPLERS, image_grid, sample
 
@@ -31,7 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--ema", action="store_true", help="use a checkpoint's EMA weights")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
+    console.setup(args.verbose)
     try:
         pipe = load_pipeline(args.model, args.sampler, ema=args.ema).to(args.device)
     except (FileNotFoundError, ValueError) as err:

@@ -212,15 +212,17 @@ class DataModule(pl.LightningDataModule):
         self.buckets: list[int] | None = None  # per index, when the dataset has aspect-ratio buckets
 
     def build_dataset(self) -> Dataset:
+        """The configured dataset, not cached or encoded; `ConfigError` if it says it holds no examples."""
         spec = self.dataset_spec
-        return instantiate(spec, self.dataset_key) if isinstance(spec, dict) else spec
+        dataset = instantiate(spec, self.dataset_key) if isinstance(spec, dict) else spec
+        if hasattr(dataset, "__len__") and len(dataset) == 0:
+            raise ConfigError("data.params.dataset: the dataset is empty; check data.params (root, files, captions)")
+        return dataset
 
     def setup(self, stage: str) -> None:
         if self.dataset is not None:
             return
         dataset = self.build_dataset()
-        if len(dataset) == 0:
-            raise ConfigError("data.params.dataset: the dataset is empty; check data.params (root, files, captions)")
         if getattr(dataset, "shapes", None) is not None:
             self._assign_buckets(dataset)
         if self.cache_latents:

@@ -21,11 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from ldm.config import ConfigError, Sources, instantiate, load_config, rejected, to_plain
 from ldm.data import DataModule
 from ldm.training.callbacks.checkpoints import LAST, Checkpoints, saved_steps
+from ldm.training.callbacks.plan import RunPlan, plan_of, summary
 from ldm.training.callbacks.progress import StepProgressBar
 from ldm.training.callbacks.throughput import Throughput
 from ldm.training.checkpoint_io import CheckpointError, StreamingCheckpointIO
 from ldm.training.checks import check_config
 from ldm.training.launch import agree_on_run_dir
+from ldm.training.report import Report, write_report
 from ldm.utils.atomic import verify
 from ldm.utils.run_folder import RUN_DIR_ENV
 from ldm.weights.checkpoint import unpickled_object
@@ -132,10 +134,14 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
         trainer_kwargs["strategy"] = FSDPStrategy()
     trainer_kwargs.setdefault("precision", auto_precision())
     trainer_kwargs.setdefault("use_distributed_sampler", not uses_our_sampler)
+    trainer_kwargs.setdefault("enable_model_summary", False)  # RunPlan says what the run trains, in one block
     checkpoint_params = to_plain((lightning_cfg.get("modelcheckpoint") or {}).get("params") or {})
+    checkpoints = Checkpoints(run_dir / "checkpoints", **checkpoint_params)
     callbacks = [
+        RunPlan(checkpoints.every_n_train_steps),
+        Report(run_dir),
         Throughput(),
-        Checkpoints(run_dir / "checkpoints", **checkpoint_params),
+        checkpoints,
         LearningRateMonitor(logging_interval="step"),
     ]
     for name, node in (lightning_cfg.get("callbacks") or {}).items():
@@ -219,6 +225,67 @@ def train(
     return run_dir
 
 
+def dry_run(
+    bases: list[str],
+    overrides: list[str] = (),
+    logdir: str | Path = "logs",
+    name: str | None = None,
+    resume: str | None = None,
+    scale_lr: bool = True,
+) -> list[str]:
+    """Check the config, build the model, the data and the Trainer as `train` would, and return the run's plan
+    (with the planned memory of one step where the planner knows the model), without training or writing a run.
+    The examples are counted without encoding caches; a data module without a dataset (shards) streams."""
+    import tempfile
+
+    logdir = Path(logdir)
+    resumed = find_resume(resume, logdir, name) if resume else None
+    cfg, _ = prepare_config(list(bases), list(overrides), resumed, scale_lr)
+    model = instantiate(cfg.model, "model", REJECTIONS)
+    if hasattr(model, "configure_model"):
+        model.configure_model()
+    datamodule = instantiate(cfg.data, "data", REJECTIONS)
+    with tempfile.TemporaryDirectory() as scratch:  # the loggers' folders, never written by a Trainer not fitting
+        trainer = build_trainer(cfg, Path(scratch), uses_our_sampler=isinstance(datamodule, DataModule))
+    examples = steps = resolution = None
+    batch_size = getattr(datamodule, "batch_size", None)
+    if isinstance(datamodule, DataModule):
+        dataset = datamodule.build_dataset()
+        examples, first = len(dataset), dataset[0]
+        pixels = first.get("pixel_values") if isinstance(first, dict) else None
+        if pixels is not None:  # the planner's image side: the data's own, not data.params.size's default
+            resolution = int(pixels.shape[-1])
+        per_step = batch_size * trainer.world_size
+        batches = examples // per_step if datamodule.drop_last else -(-examples // per_step)
+        steps = max(batches // trainer.accumulate_grad_batches, 1)
+    checkpoints = trainer.checkpoint_callback
+    plan = plan_of(trainer, model, examples, batch_size, steps, checkpoints.every_n_train_steps)
+    plan.notes.append(("memory", _planned_memory(cfg, resolution, model)))
+    if resumed:
+        plan.notes.append(("resume", f"from {resumed.ckpt} (its step, optimizer and data position)"))
+    where = resumed.run_dir if resumed else logdir / f"<time>_{name or Path(bases[0]).stem}"
+    return [f"dry run: would train in {where}", *plan.lines()]
+
+
+def _planned_memory(cfg: DictConfig, resolution: int | None, model: torch.nn.Module) -> str:
+    from diffusers import UNet2DConditionModel
+
+    from ldm.training.memory import GIB, plan_training_step
+
+    denoiser = getattr(model, "unet", None)
+    if not isinstance(denoiser, UNet2DConditionModel):
+        what = type(denoiser).__name__ if denoiser is not None else type(model).__name__
+        return f"not planned (the planner traces UNet latent diffusion, not {what})"
+    try:
+        memory = plan_training_step(cfg, resolution=resolution)
+    except Exception as err:  # noqa: BLE001 - a plan the planner cannot make is said, not raised
+        return f"not planned ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
+    return (
+        f"one step peaks at {memory.peak / GIB:.2f} GiB (batch {memory.batch_size}, {memory.resolution} px, no "
+        "offload; planned on fake tensors: scripts/plan_memory.py gives the table and any offload split)"
+    )
+
+
 def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> Checkpoints:
     pl.seed_everything(seed, workers=True)
     model = instantiate(cfg.model, "model", REJECTIONS)
@@ -257,4 +324,14 @@ def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> C
                 "main.py writes tensors and plain values only, so this checkpoint was changed after it was saved; "
                 "resume from one you trust"
             ) from None
-    return trainer.checkpoint_callback
+    checkpoints = trainer.checkpoint_callback
+    if trainer.is_global_zero:
+        plan = next((c for c in trainer.callbacks if isinstance(c, RunPlan)), None)
+        stopped = checkpoints.stopped_by not in (None, "trainer.should_stop")
+        for line in summary(trainer, plan, run_dir, checkpoints.last_saved, stopped):
+            log.info(line)
+        try:
+            log.info("report: %s", write_report(run_dir))
+        except (OSError, ValueError) as err:  # the run and its checkpoints stand; say what failed
+            log.warning("report: not written: %s", err)
+    return checkpoints

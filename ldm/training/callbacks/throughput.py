@@ -41,8 +41,9 @@ def dense_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 class Throughput(pl.Callback):
-    """Log `perf/steps_per_s`, `perf/images_per_s`, `perf/images_per_s_per_process`, and, once one batch's FLOPs
-    are counted, `perf/tflops_per_s_per_process` and `perf/mfu` (where the device's peak is known); the first
+    """Log `perf/steps_per_s`, `perf/images_per_s`, `perf/images_per_s_per_process`, on a GPU
+    `perf/max_memory_gib` (the peak allocated so far), and, once one batch's FLOPs are counted,
+    `perf/tflops_per_s_per_process` and `perf/mfu` (where the device's peak is known); the first
     `warmup_steps` are not counted. `count_flops: false` skips the count (it runs the first batch under
     PyTorch's FLOP counter, which some strategies' hooks may not take)."""
 
@@ -85,8 +86,6 @@ class Throughput(pl.Callback):
         if self._counter is not None:
             flops = self._stop_counting()
             self.flops_per_image = flops / batch_size if flops else None
-            if trainer.is_global_zero and flops:
-                log.info("FLOPs of one training batch of %d on one process (counted once): %.4g", batch_size, flops)
         step = trainer.global_step
         if self._start is None:
             if step >= self._start_step + self.warmup_steps or step >= trainer.max_steps > 0:
@@ -95,7 +94,10 @@ class Throughput(pl.Callback):
         self._images += batch_size * trainer.world_size
         elapsed = time.perf_counter() - self._start
         if elapsed > 0 and step > self._start_step:
-            pl_module.log_dict(self._rates(trainer, step - self._start_step, elapsed), batch_size=1)
+            rates = self._rates(trainer, step - self._start_step, elapsed)
+            if pl_module.device.type == "cuda":
+                rates["perf/max_memory_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            pl_module.log_dict(rates, batch_size=1)
 
     def _rates(self, trainer: pl.Trainer, steps: int, elapsed: float) -> dict[str, float]:
         per_process = self._images / elapsed / trainer.world_size
@@ -140,4 +142,5 @@ class Throughput(pl.Callback):
                 line += f", MFU {100 * rates['perf/mfu']:.1f} % of the {dtype} dense peak {peak}"
             else:
                 line += f" (no dense {dtype} peak known for {pl_module.device.type}: no MFU)"
+            line += f"; {self.flops_per_image:.4g} FLOPs per image (counted once)"
         log.info(line)
