@@ -147,8 +147,10 @@ def _checkpoints(run_dir: Path, config: dict) -> str:
         else f"python scripts/export_diffusers.py --ckpt {newest} --out {run_dir / 'pipeline'}\n"
         f"python scripts/export_single_file.py --ckpt {newest} --out {run_dir / 'model.safetensors'}"
     )
-    again = f"python main.py -t -r {run_dir}   # continue from its newest intact checkpoint (a finished run: with a " \
+    again = (
+        f"python main.py -t -r {run_dir}   # continue from its newest intact checkpoint (a finished run: with a "
         "higher lightning.trainer.max_steps=N)"
+    )
     commands = f"{again}\n{export}"
     return f"<table>{rows}</table><pre>{html.escape(commands)}</pre>"
 
