@@ -15,6 +15,7 @@ import csv
 import html
 import os
 import re
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,7 @@ def write_report(run_dir: str | Path) -> Path:
         f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>"
     )
     final = run_dir / REPORT
-    partial = final.with_name(f".{REPORT}.partial")
+    partial = final.with_name(f".{REPORT}.{os.getpid()}-{threading.get_ident()}.partial")  # writers never share it
     partial.write_text(page, encoding="utf-8")
     os.replace(partial, final)
     return final
