@@ -8,8 +8,7 @@ Writes OUT/samples.png (one row per prompt), OUT/pipeline (a diffusers folder), 
 import argparse
 from pathlib import Path
 
-from examples.digits.quickstart import run_quickstart
-from ldm.cli import console
+from ldm.cli import console  # first: it hides listed warnings that importing the libraries raises
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,6 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
     console.setup(args.verbose)
+    from examples.digits.quickstart import run_quickstart
+
     report = run_quickstart(Path(args.out), args.autoencoder_steps, args.ldm_steps, args.samples_per_digit)
     out = Path(args.out)
     print(

@@ -25,8 +25,13 @@ LOGGED = (
     ("diffusers.models.modeling_utils", r"There are modules in \w+ that should be kept in float32: \[\]",
      "there are none (an empty list); the dtype casts are the config's"),
 )  # fmt: skip
-# (warning message pattern, why it is hidden)
-WARNED = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", "Lightning's use of a torch API, not ours to fix"),)
+# (warning message pattern, matched from its start, why it is hidden). Hidden from this module's import on:
+# some are raised while a tool imports its libraries, before it calls `quiet`, so the tools import ldm.cli first.
+WARNED = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", "Lightning's use of a torch API, not ours to fix"),
+    (r"`Transformer2DModelOutput` is deprecated and will be removed in version 1\.0\.0\. Importing",
+     "diffusers 0.29 (the Colossal-AI stack) warns as it imports its own module"),
+)  # fmt: skip
 
 
 class _Hide(logging.Filter):
@@ -41,12 +46,21 @@ class _Hide(logging.Filter):
 _installed: list[tuple[logging.Logger, _Hide]] = []
 
 
+def _hide_warnings() -> None:
+    for pattern, _ in WARNED:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+_hide_warnings()
+
+
 def quiet(verbose: bool = False) -> None:
     """Hide the listed messages and the loaders' progress bars (diffusers, transformers); `verbose` shows all."""
     for logger, hide in _installed:
         logger.removeFilter(hide)
     _installed.clear()
     if verbose:
+        warnings.simplefilter("default")  # every warning, once per place: the listed ones too
         diffusers_logging.enable_progress_bar()
         transformers_logging.enable_progress_bar()
         return
@@ -54,7 +68,6 @@ def quiet(verbose: bool = False) -> None:
         logger, hide = logging.getLogger(name), _Hide(pattern)
         logger.addFilter(hide)
         _installed.append((logger, hide))
-    for pattern, _ in WARNED:
-        warnings.filterwarnings("ignore", message=pattern)
+    _hide_warnings()
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
