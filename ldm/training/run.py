@@ -328,7 +328,7 @@ def _fit(cfg: DictConfig, run_dir: Path, seed: int, resumed: Resume | None) -> C
     if trainer.is_global_zero:
         plan = next((c for c in trainer.callbacks if isinstance(c, RunPlan)), None)
         stopped = checkpoints.stopped_by not in (None, "trainer.should_stop")
-        for line in summary(trainer, plan, run_dir, checkpoints.last_saved, stopped):
+        for line in summary(trainer, plan, checkpoints.last_saved, stopped):
             log.info(line)
         try:
             log.info("report: %s", write_report(run_dir))

@@ -169,12 +169,9 @@ def plan_of(
     )
 
 
-def summary(
-    trainer: pl.Trainer, plan: RunPlan | None, run_dir: Path, last_saved: Path | None, stopped: bool
-) -> list[str]:
-    """The lines a run ends with: steps and time, the last loss, peak GPU memory, skipped files, the checkpoint."""
-    from ldm.data.folder import BAD_SAMPLES
-
+def summary(trainer: pl.Trainer, plan: RunPlan | None, last_saved: Path | None, stopped: bool) -> list[str]:
+    """The lines a run ends with: steps and time, the last loss, peak GPU memory, the checkpoint. (Skipped files
+    are summed up just before, by the folder data module's `teardown`.)"""
     steps = trainer.global_step - (plan.start_step if plan else 0)
     done = f"{'stopped' if stopped else 'done'}: step {trainer.global_step:,}"
     done += f" of {trainer.max_steps:,}" if trainer.max_steps > 0 else ""
@@ -185,10 +182,6 @@ def summary(
     if trainer.strategy.root_device.type == "cuda":
         done += f"; peak GPU memory {torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**30:.2f} GiB"
     lines = [done]
-    listing = run_dir / BAD_SAMPLES
-    if listing.is_file():
-        skipped = len(listing.read_text(encoding="utf-8").splitlines())
-        lines.append(f"skipped {skipped} undecodable file(s), each replaced by the next image; listed in {listing}")
     if last_saved is not None:
         lines.append(f"checkpoint: {last_saved}")
     return lines
