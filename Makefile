@@ -29,7 +29,7 @@ quickstart: setup
 	$(PY) -m examples.digits --out outputs/quickstart
 
 test: setup lint
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=15
 
 $(COMPAT)/.installed: setup.py
 	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
@@ -41,7 +41,7 @@ $(COMPAT)/.installed: setup.py
 # The suite again in the Colossal-AI environment, ColossalAIStrategy tests included (a 906 MB torch
 # wheel; about 5 minutes to install; the tests JIT-build Colossal-AI's CPU Adam kernel once, ~70 s).
 test-compat: $(COMPAT)/.installed
-	$(COMPAT)/bin/python -m pytest -p no:cacheprovider --durations=15
+	$(COMPAT)/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadgroup --durations=15
 
 lint: setup
 	$(PY) -m ruff check .

@@ -39,14 +39,25 @@ setup(
         ]
     },
     extras_require={
-        "colossalai": ["colossalai>=0.5.0,<0.6"],  # pins torch<=2.5.1 (see README, "Colossal-AI")
+        "colossalai": ["colossalai>=0.5.0,<0.6"],  # pins torch<=2.5.1 (see docs/colossalai.md)
         "xformers": ["xformers>=0.0.27"],
-        # Precomputed shards, streamed and mixed (README, "Pretrain from scratch"). streaming imports torchvision,
+        # Precomputed shards, streamed and mixed (docs/pretraining.md). streaming imports torchvision,
         # so torch needs its matching torchvision (torch 2.14.1 + torchvision 0.29.1, or 2.5.1 + 0.20.1).
         "pretrain": PRETRAIN,
-        # ldm-ui, the local web app (README, "Look at a run").
+        # ldm-ui, the local web app (docs/app-and-reports.md).
         "ui": ["gradio>=5,<7"],
-        # The tests train from shards too; selenium drives Debian's chromium in the browser test of ldm-ui.
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "ruff>=0.6", "selenium>=4.20", *PRETRAIN],
+        # The tests train from shards too; selenium drives Debian's chromium in the browser test of ldm-ui;
+        # pytest-xdist runs them on both cores (pytest 9.2 breaks its --dist loadgroup: pytest-xdist#1386, the
+        # groups are silently ignored; tests/conftest.py stops the run if that happens); mkdocs-material builds
+        # docs/ (strict) in the tests.
+        "dev": [
+            "pytest>=8,<9.2",
+            "pytest-timeout>=2.2",
+            "pytest-xdist>=3.5",
+            "ruff>=0.6",
+            "selenium>=4.20",
+            "mkdocs-material>=9.5",
+            *PRETRAIN,
+        ],
     },
 )

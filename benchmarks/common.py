@@ -18,6 +18,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
+# --smoke trains on the 180 test digits, not all 1,797: it checks that the code runs, not what it learns, and
+# encoding every digit's latent again for each run was most of a smoke run's training time.
+SMOKE_DIGITS = "data.params.dataset.params.split=test"
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:

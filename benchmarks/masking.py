@@ -41,7 +41,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, parser, quiet, report  # noqa: E402
+from benchmarks.common import REPO, SMOKE_DIGITS, parser, quiet, report  # noqa: E402
 
 CONFIG = REPO / "configs" / "quickstart" / "digits-microdit.yaml"
 UNMASKED_SHARE = 0.1  # the last share of a masked arm's steps, trained unmasked
@@ -136,8 +136,9 @@ def unmasked_from(arm: str, steps: int) -> int:
     return steps - round(UNMASKED_SHARE * steps) if ARMS[arm][1]["mask_ratio"] else steps
 
 
-def train_arm(vae: Path, work: Path, arm: str, d_shape: dict, steps: int, batch: int, seed: int) -> tuple[Path, float]:
-    """Train one arm for `steps` optimizer steps; the checkpoint and the training seconds."""
+def train_arm(vae: Path, work: Path, arm: str, d_shape: dict, steps: int, batch: int, seed: int,
+              overrides: list[str] = ()) -> tuple[Path, float]:  # fmt: skip
+    """Train one arm for `steps` optimizer steps (`overrides` last); the checkpoint and the training seconds."""
     from benchmarks import masking as this  # the module the run's config imports (this file runs as __main__)
     from ldm.training.run import train
 
@@ -157,6 +158,7 @@ def train_arm(vae: Path, work: Path, arm: str, d_shape: dict, steps: int, batch:
             "lightning.callbacks.unmask.target=benchmarks.masking.UnmaskAt",
             f"lightning.callbacks.unmask.params.step={unmasked_from(arm, steps)}",
             "lightning.callbacks.clock.target=benchmarks.masking.TrainingClock",
+            *overrides,
         ],
         work / "logs",
         f"masking-{arm}-{steps}-{seed}",
@@ -233,27 +235,26 @@ def main() -> None:
         per_step[arm] = (1 - UNMASKED_SHARE) * masked + UNMASKED_SHARE * unmasked
 
     rows = finished_runs(args.results, batch)
+    pending = [(budget, arm, max(round(budget * per_step["A"] / per_step[arm]), 1), seed)
+            for budget in args.budgets for arm in args.arms for seed in args.seeds
+            if not any(r["arm"] == arm and r["budget"] == budget and r["seed"] == seed for r in rows)]  # fmt: skip
+    data = [SMOKE_DIGITS] if args.smoke else []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        vae, classifier = autoencoder_and_judge(args.vae, work, args.smoke)
-        for budget in args.budgets:
-            total = budget * per_step["A"]
-            for arm in args.arms:
-                steps = max(round(total / per_step[arm]), 1)
-                for seed in args.seeds:
-                    if any(r["arm"] == arm and r["budget"] == budget and r["seed"] == seed for r in rows):
-                        continue
-                    checkpoint, seconds = train_arm(vae, work, arm, d_shape, steps, batch, seed)
-                    scores = judge(checkpoint, classifier, samples, inference_steps)
-                    rows.append({"arm": arm, "budget": budget, "seed": seed, "steps": steps,
-                                 "unmasked_from": unmasked_from(arm, steps), "train_s": round(seconds, 1),
-                                 "batch_size": batch, **scores})  # fmt: skip
-                    if args.results is not None:
-                        with args.results.open("a") as f:
-                            f.write(json.dumps(rows[-1]) + "\n")
-                    accuracy, distance = scores["accuracy"], scores["frechet_distance"]
-                    print(f"  {arm} budget {budget} seed {seed}: {steps} steps, {seconds:.0f} s, "
-                          f"accuracy {accuracy:.2f}, FD {distance:.2f}", flush=True)  # fmt: skip
+        if pending:  # with every run recorded, no autoencoder or judge is needed
+            vae, classifier = autoencoder_and_judge(args.vae, work, args.smoke)
+        for budget, arm, steps, seed in pending:
+            checkpoint, seconds = train_arm(vae, work, arm, d_shape, steps, batch, seed, data)
+            scores = judge(checkpoint, classifier, samples, inference_steps)
+            rows.append({"arm": arm, "budget": budget, "seed": seed, "steps": steps,
+                         "unmasked_from": unmasked_from(arm, steps), "train_s": round(seconds, 1),
+                         "batch_size": batch, **scores})  # fmt: skip
+            if args.results is not None:
+                with args.results.open("a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+            accuracy, distance = scores["accuracy"], scores["frechet_distance"]
+            print(f"  {arm} budget {budget} seed {seed}: {steps} steps, {seconds:.0f} s, "
+                  f"accuracy {accuracy:.2f}, FD {distance:.2f}", flush=True)  # fmt: skip
 
     table = [
         f"masking at equal training FLOPs, digits, batch {batch}, seeds {args.seeds}; judged at guidance 2",

@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, parser, quiet, report  # noqa: E402
+from benchmarks.common import REPO, SMOKE_DIGITS, parser, quiet, report  # noqa: E402
 from benchmarks.masking import autoencoder_and_judge, judge  # noqa: E402
 from benchmarks.time_to_quality import AccuracyClock  # noqa: E402
 
@@ -94,7 +94,7 @@ def main() -> None:
     if args.smoke:
         samples, steps, args.eval_every = 1, 2, 0.0
         overrides = ["data.params.batch_size=8", "lightning.trainer.max_steps=3",
-                     "lightning.modelcheckpoint.params.every_n_train_steps=3"]  # fmt: skip
+                     "lightning.modelcheckpoint.params.every_n_train_steps=3", SMOKE_DIGITS]  # fmt: skip
     sides: dict[str, dict] = {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.baseline import PlainParts, plain_train  # noqa: E402
-from benchmarks.common import REPO, parser, quiet, report  # noqa: E402
+from benchmarks.common import REPO, SMOKE_DIGITS, parser, quiet, report  # noqa: E402
 
 LDM_CONFIG = REPO / "configs" / "quickstart" / "digits-ldm.yaml"
 CLOCK: AccuracyClock | None = None  # the clock the callback below reports to (set by `run_ours`)
@@ -163,7 +163,7 @@ def main() -> None:
     quiet()
     autoencoder_steps, max_steps, samples, steps = (5, 3, 1, 2) if args.smoke else (None, 100_000, 10, 25)
     if args.smoke:
-        args.eval_every, args.budget, args.set = 0.0, 0.0, [*args.set, "data.params.batch_size=8"]
+        args.eval_every, args.budget, args.set = 0.0, 0.0, [*args.set, "data.params.batch_size=8", SMOKE_DIGITS]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         train_autoencoder(work, autoencoder_steps)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,54 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+JUDGE_CACHE = "LDM_JUDGE_CACHE"  # examples.digits.judge reads it; not imported here, before the tests' imports
+MODULE_SCOPES = ("module", "class", "package")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The digit judge is trained once per session and read back by every test and command that needs it
+    (`LDM_JUDGE_CACHE`, a folder the controller makes and its workers inherit). Under pytest-xdist (`make test`
+    runs `-n 2`) each worker computes on one thread, and so do the commands its tests start: two workers on two
+    cores, instead of each asking for every core."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[JUDGE_CACHE] = tempfile.mkdtemp(prefix="ldm-judges-")
+    else:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ.pop(JUDGE_CACHE), ignore_errors=True)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Groups for `--dist loadgroup`, given as each test is collected (xdist reads them when collection ends): the
+    tests marked `exclusive` (several ranks, or streaming shards) run one after another on one worker, never two
+    such jobs at once; the tests of a module that share a module-scoped fixture run on one worker, which builds it
+    once. Every other test goes to whichever worker is free."""
+    if item.get_closest_marker("exclusive"):
+        item.add_marker(pytest.mark.xdist_group("exclusive"))
+        return
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    if any(d.scope in MODULE_SCOPES for fixturedefs in defs for d in fixturedefs):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup`, a grouped test whose id lacks its group's `@name` would run beside the others of its
+    group (pytest 9.2 with pytest-xdist 3.8 drops the suffix, pytest-xdist#1386): refuse to run then."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rpartition("]")[2].rpartition("::")[2]:
+            raise pytest.UsageError(
+                f"{item.nodeid}: pytest-xdist did not give this test its group (pytest {pytest.__version__}); "
+                "its exclusive tests would run at once: install pytest<9.2 (setup.py's dev extra pins it)"
+            )
 
 
 @pytest.fixture(scope="session")

@@ -68,6 +68,7 @@ def test_gpu_throughput_smoke_on_a_cpu(tmp_path):
     assert headline.startswith("gpu throughput: SD 1.5 at 16 px, ours ")
 
 
+@pytest.mark.exclusive
 def test_pretrain_smoke(tmp_path):
     result, headline = smoke("pretrain.py", tmp_path)
     tiny = result["models"]["tiny"]

@@ -170,6 +170,7 @@ def shard_args(tiny_sd, shards, logdir, *extra) -> list[str]:
             f"data.params.sources=[{{path: {shards}}}]", *extra]  # fmt: skip
 
 
+@pytest.mark.exclusive
 @pytest.mark.parametrize("batch, stop", [(4, 4), (3, 7)])  # (3, 7): at the end of an epoch of 2 + 2 + 3 batches
 def test_bucketed_shards_train_on_one_shape_per_batch_and_resume_exactly(
     tiny_sd, bucketed_shards, tmp_path, caplog, batch, stop
@@ -208,6 +209,7 @@ def test_bucketed_shards_train_on_one_shape_per_batch_and_resume_exactly(
     assert code == 0 and both[stop:] == unbroken[stop:], "the steps after the resume are the unbroken run's"
 
 
+@pytest.mark.exclusive
 def test_bucketed_shards_give_two_processes_the_global_batches_of_one(tiny_sd, bucketed_shards, tmp_path, caplog):
     """1 process at batch 4 and 2 at batch 2 train on the same samples at every step; a bucket that cannot fill a
     global batch is named in the log."""

@@ -397,6 +397,7 @@ def test_gemini_plugin_is_built_from_the_strategy_and_trainer_settings():
     assert plugin.optim_kwargs["max_norm"] == 1.0 and plugin.optim_kwargs["initial_scale"] == 2**16
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_two_processes_shard_save_gather_and_resume(tiny_sd, tmp_path):
     """ZeRO-2 over 2 CPU processes (gloo): masters are gathered whole, and a resume continues (about 2 min)."""

@@ -142,3 +142,20 @@ def test_frechet_distance_is_its_formula_and_punishes_alike_samples(classifier, 
     varied = judge_features(classifier, test_split.images[:100])
     alike = judge_features(classifier, test_split.images[:10].repeat(10, 1, 1, 1))  # right digits, ten drawings
     assert frechet_distance(varied, real) < frechet_distance(alike, real) / 2
+
+
+def test_a_judge_is_trained_once_per_cache_folder_and_read_back_exactly(tmp_path, monkeypatch):
+    import examples.digits.judge as judge
+
+    monkeypatch.setenv(judge.JUDGE_CACHE, str(tmp_path))
+    trained = judge.train_digit_classifier(seed=1, epochs=1)
+    (saved,) = tmp_path.iterdir()
+    monkeypatch.setattr(judge, "_train_classifier", lambda *args: pytest.fail("trained again"))
+    again = judge.train_digit_classifier(seed=1, epochs=1)
+    assert not again.training
+    for name, value in trained.state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), name
+    monkeypatch.setattr(judge, "_train_classifier", lambda *args: trained)
+    judge.train_digit_classifier(seed=2, epochs=1)
+    assert len(list(tmp_path.iterdir())) == 2 and saved.exists(), "another seed is another judge"
+    assert not list(tmp_path.glob("*.partial"))

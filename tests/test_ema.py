@@ -77,6 +77,7 @@ def test_settings_are_checked():
 NEEDS_FSDP2_ON_CPU = pytest.mark.skipif(not CPU_CAPABLE, reason="FSDP2 on a CPU needs torch >= 2.6")
 
 
+@pytest.mark.exclusive
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=NEEDS_FSDP2_ON_CPU)])
 def test_two_processes_each_keep_half_and_save_one_processs_average(tiny_sd, shards, tmp_path, strategy):
     """1 process at batch 16 against 2 at batch 8 (the same global batches, so the same weights within 1e-5):

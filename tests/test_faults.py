@@ -172,6 +172,7 @@ def test_kill_9_while_saving_then_resume_matches_an_unbroken_run(unbroken, tiny_
     assert "step-000006.ckpt.partial" not in steps_on_disk(run_dir), "leftovers are cleaned at the next save"
 
 
+@pytest.mark.exclusive
 def test_two_ranks_both_save_and_exit_when_only_rank_0_is_signalled(tiny_sd, image_folder, tmp_path):
     """DDP over 2 CPU processes (gloo): SIGTERM to rank 0 only; the ranks agree, save together, and exit."""
     logdir, done_dir = tmp_path / "logs", tmp_path / "done"

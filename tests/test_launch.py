@@ -5,6 +5,7 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
 from ldm.training.launch import agree_on_run_dir
@@ -50,6 +51,7 @@ def launch(world: int, extra_env: dict) -> list[str]:
     return outputs
 
 
+@pytest.mark.exclusive
 def test_torchrun_ranks_receive_the_first_ranks_folder():
     torchrun = {
         "_env": "TorchElasticEnvironment",
@@ -61,6 +63,7 @@ def test_torchrun_ranks_receive_the_first_ranks_folder():
     assert launch(3, torchrun) == [str(Path("logs") / "from-rank-0")] * 3
 
 
+@pytest.mark.exclusive
 def test_slurm_ranks_receive_the_first_ranks_folder():
     slurm = {
         "_env": "SLURMEnvironment",

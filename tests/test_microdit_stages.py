@@ -78,6 +78,7 @@ def unet_state(ckpt) -> dict[str, torch.Tensor]:
     return {k.removeprefix("unet."): v for k, v in state.items() if k.startswith("unet.")}
 
 
+@pytest.mark.exclusive
 def test_the_four_stages_chain_on_a_cpu_twin_and_export(tiny_sd, shards, shards_512, tmp_path):
     from ldm.export import export_pipeline
 

@@ -147,6 +147,7 @@ def test_a_stopped_precompute_continues_where_it_stopped(tiny_sd, images, shards
     assert json.loads((out / MANIFEST).read_text())["count"] == 5
 
 
+@pytest.mark.exclusive
 def test_two_processes_write_what_one_writes(tiny_sd, images, shards, tmp_path):
     out = tmp_path / "photos"
     with socket.socket() as s:

@@ -48,6 +48,7 @@ def unet_state(state: dict) -> dict[str, torch.Tensor]:
     return {k.removeprefix("unet."): v for k, v in state.items() if k.startswith("unet.")}
 
 
+@pytest.mark.exclusive
 def test_the_two_stages_chain_on_their_cpu_twins_and_export_the_ema(tiny_sd, shards, shards_512, tmp_path):
     from ldm.export import export_pipeline, load_pipeline
 

@@ -14,6 +14,7 @@ from tests.conftest import REPO
 from tests.helpers import run_main, run_script
 
 TINY = REPO / "configs" / "pretrain" / "tiny-shards.yaml"
+pytestmark = pytest.mark.exclusive  # every test streams shards, or checks what streaming leaves
 
 
 def lock_files() -> set[Path]:

@@ -18,6 +18,7 @@ from main import main
 from tests.helpers import clean_env, run_main, run_script, run_together
 from tests.test_shards import TINY, args, clean_up_after_killed_runs, recorded  # noqa: F401 (an autouse fixture)
 
+pytestmark = pytest.mark.exclusive  # most start 2 ranks and all stream shards
 GLOBAL_BATCH = 16  # 40 samples an epoch: 2 steps an epoch, 4 steps are 2 epochs
 
 
@@ -244,3 +245,4 @@ def test_mfu_is_the_achieved_flops_per_process_over_the_dense_peak():
     assert rates["perf/images_per_s"] == 200 and rates["perf/images_per_s_per_process"] == 100
     assert rates["perf/tflops_per_s_per_process"] == pytest.approx(300)
     assert rates["perf/mfu"] == pytest.approx(300 / 989)
+

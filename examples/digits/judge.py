@@ -5,6 +5,9 @@ right but all alike score a large distance)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from examples.digits.data import DigitsDataset, digit_prompts
+
+JUDGE_CACHE = "LDM_JUDGE_CACHE"  # a folder of trained judges, shared by the processes that set it (the tests do)
 
 
 def _make_classifier() -> nn.Module:
@@ -58,9 +63,31 @@ def _augment(x: Tensor, gen: torch.Generator) -> Tensor:
     return (x + noise).clamp(-1, 1)
 
 
-@torch.enable_grad()
 def train_digit_classifier(seed: int = 0, epochs: int = 10, batch_size: int = 64) -> nn.Module:
-    """Train the digit CNN on the `train` split with light augmentation; return it in eval mode."""
+    """Train the digit CNN on the `train` split with light augmentation; return it in eval mode.
+
+    Where the environment names a folder in `LDM_JUDGE_CACHE`, a judge this code trained there before with the
+    same settings and torch version is read back instead, and a new one is saved there (atomically)."""
+    folder = os.environ.get(JUDGE_CACHE)
+    if not folder:
+        return _train_classifier(seed, epochs, batch_size)
+    code = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("judge.py", "data.py"))
+    key = hashlib.sha256(code + f"{seed} {epochs} {batch_size} {torch.__version__}".encode()).hexdigest()[:16]
+    path = Path(folder) / f"digit-judge-{key}.pt"
+    if path.is_file():
+        model = _make_classifier()
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.eval()
+    model = _train_classifier(seed, epochs, batch_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    torch.save(model.state_dict(), partial)
+    os.replace(partial, path)  # another process saving the same judge at once writes the same bytes
+    return model
+
+
+@torch.enable_grad()
+def _train_classifier(seed: int, epochs: int, batch_size: int) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     data = DigitsDataset(split="train")
     images, labels = data.images, data.labels
