@@ -47,7 +47,7 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# The benchmarks (minutes each; see README "Performance"). CI runs only their --smoke modes, in the tests.
+# The benchmarks (minutes each; see docs/performance.md). CI runs only their --smoke modes, in the tests.
 bench: setup
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/memory.py

@@ -83,7 +83,7 @@ def test_the_check_sees_late_and_relative_imports():
     assert find_cycle({"ldm.a": {"ldm.b"}, "ldm.b": set()}) is None
 
 
-# The floors of the package, as README "Layout" draws them: a module imports only from its own
+# The floors of the package, as docs/development.md ("Layout") draws them: a module imports only from its own
 # package or from lower floors.
 FLOORS = {
     "ldm": 0,
@@ -107,7 +107,7 @@ FLOORS = {
 
 def floor_of(module: str) -> tuple[str, int]:
     package = ".".join(module.split(".")[:2])
-    assert package in FLOORS, f"{module}: a package without a floor; add it to FLOORS and to README 'Layout'"
+    assert package in FLOORS, f"{module}: a package without a floor; add it to FLOORS and to docs/development.md"
     return package, FLOORS[package]
 
 

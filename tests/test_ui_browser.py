@@ -2,7 +2,7 @@
 a tiny run, starts it, watches it finish with a sample grid, reads its report, and samples from its checkpoint.
 
 Needs the `ui` extra and Chromium; skipped without them, unless LDM_BROWSER_TEST=required (CI) makes a missing
-piece a failure. LDM_UI_SCREENSHOTS=FOLDER saves the screenshots the README shows.
+piece a failure. LDM_UI_SCREENSHOTS=FOLDER saves the screenshots the docs show.
 """
 
 import os

@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
         except ImportError as err:
             raise ImportError(
                 f"ldm.training.strategies.{name} needs Colossal-AI ({err}); install it with "
-                "`pip install -e .[colossalai]` into an environment with torch<=2.5.1 (see README, 'Colossal-AI')"
+                "`pip install -e .[colossalai]` into an environment with torch<=2.5.1 (see docs/colossalai.md)"
             ) from err
         return getattr(colossal, name)
     raise AttributeError(f"module 'ldm.training.strategies' has no attribute {name!r}")

@@ -69,7 +69,7 @@ def translate_legacy_strategy(node: Mapping, key: str = "lightning.trainer.strat
         else:
             raise ConfigError(
                 f"{where}: not a parameter of the old ColossalAIStrategy that {TARGET} can honour; "
-                f"write the block as {{target: {TARGET}, params: {{plugin: gemini, ...}}}} (see README)"
+                f"write the block as {{target: {TARGET}, params: {{plugin: gemini, ...}}}} (see docs/colossalai.md)"
             )
     params = group_flat_settings(params)
     log.info("%s: %s is now %s with params %s", key, node["target"], TARGET, params)
