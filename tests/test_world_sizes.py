@@ -15,7 +15,7 @@ from diffusers import UNet2DConditionModel
 
 from ldm.training.strategies.fsdp import CPU_CAPABLE
 from main import main
-from tests.helpers import clean_env, run_main, run_script, run_together
+from tests.helpers import clean_env, finetune_args, run_main, run_script, run_together
 from tests.test_shards import TINY, args, clean_up_after_killed_runs, recorded  # noqa: F401 (an autouse fixture)
 
 pytestmark = pytest.mark.exclusive  # most start 2 ranks and all stream shards
@@ -246,3 +246,24 @@ def test_mfu_is_the_achieved_flops_per_process_over_the_dense_peak():
     assert rates["perf/tflops_per_s_per_process"] == pytest.approx(300)
     assert rates["perf/mfu"] == pytest.approx(300 / 989)
 
+
+def test_a_folder_trains_to_the_same_weights_on_two_processes_as_on_one(tiny_sd, tmp_path):
+    """Data from a folder: 2 processes at batch 2 and 1 process at batch 4 (flips, caption dropout and the VAE's
+    posterior drawn) train to the same weights, because each example carries its `sample_id` and its noise,
+    timestep and latent are drawn from it, not from the generator every rank seeds the same."""
+    from tests.conftest import write_images
+
+    images = write_images(tmp_path / "images", n=8)
+    runs = {}
+    for world in (1, 2):
+        logs = tmp_path / f"logs-{world}"
+        argv = finetune_args(tiny_sd, images, logs, f"data.params.batch_size={4 // world}", "-s", "3",
+                             "lightning.trainer.max_steps=4", "data.params.caption_dropout=0.25",
+                             "lightning.callbacks.image_logger=null", "lightning.callbacks.ema=null")  # fmt: skip
+        if world == 1:
+            assert main(argv) == 0
+        else:
+            done = run_main(*argv, "lightning.trainer.devices=2", "lightning.trainer.strategy=ddp")
+            assert done.returncode == 0, done.stderr[-3000:]
+        (runs[world],) = logs.iterdir()
+    assert_same_weights(runs[2], runs[1])

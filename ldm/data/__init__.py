@@ -73,7 +73,9 @@ class ResumableSampler(Sampler):
 
 class _Indexed(Dataset):
     """Index with the sampler's tuples: the example (seeded if the dataset has `get(index, seed)`),
-    its caption emptied when asked, with its caption's conditioning (`cond`) when captions were encoded once."""
+    its caption emptied when asked, with its caption's conditioning (`cond`) when captions were encoded once,
+    and its `sample_id`: its index in the dataset (unless the dataset gives its own), from which the model draws
+    the sample's noise and timestep, so they do not depend on the process or the batch it is trained in."""
 
     def __init__(self, dataset: Dataset, text_cache: _TextCache | None = None) -> None:
         self.dataset, self.text_cache = dataset, text_cache
@@ -85,6 +87,7 @@ class _Indexed(Dataset):
         index, drop, seed = item
         get = getattr(self.dataset, "get", None)
         example = dict(get(index, seed) if callable(get) else self.dataset[index])
+        example.setdefault("sample_id", index)
         if drop:
             example["caption"] = ""
         if self.text_cache is not None:

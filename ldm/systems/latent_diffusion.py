@@ -287,10 +287,10 @@ class LatentDiffusion(pl.LightningModule):
                                    self.snr_gamma, draws, self.objective.noise_offset)  # fmt: skip
 
     def draws(self, batch: dict) -> diffusion.Draws:
-        """Where this step's random numbers come from. A batch with `sample_id`s (shards give them): each
-        sample's from a generator keyed by (seed, step, id), so the same global batch trains the same at any
-        number of processes, and after a resume on another number. Otherwise the global generator, which a
-        resume restores."""
+        """Where this step's random numbers come from. A batch with `sample_id`s (shards and `ldm.data.DataModule`
+        give them): each sample's from a generator keyed by (seed, step, id), so the same global batch trains the
+        same at any number of processes, and after a resume on another number. Otherwise (a user's own
+        LightningDataModule) the global generator, which a resume restores."""
         ids = batch.get("sample_id")
         if ids is None:
             return diffusion.GLOBAL_DRAWS
