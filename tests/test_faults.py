@@ -219,3 +219,15 @@ def test_a_non_finite_loss_stops_the_run_with_the_last_finite_weights(tiny_sd, i
     at_stop = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     assert at_stop["global_step"] == 3 and sorted(losses(rec)) == [1, 2, 3]
     assert all(torch.equal(at_2[k], v) for k, v in at_stop["state_dict"].items()), "step 3's update was not applied"
+
+
+def test_a_resume_under_another_seed_says_so_in_one_line(tiny_sd, image_folder, tmp_path, caplog):
+    logs = tmp_path / "logs"
+    assert main(finetune_args(tiny_sd, image_folder, logs, "lightning.trainer.max_steps=2")) == 0
+    with caplog.at_level("WARNING", logger="ldm"):
+        assert main([*finetune_args(tiny_sd, image_folder, logs, "-r", "auto", "-s", "2")]) == 0
+        assert main([*finetune_args(tiny_sd, image_folder, logs, "-r", "auto", "-s", "2",
+                                    "lightning.trainer.max_steps=4")]) == 0  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "resume is not exact" in r.getMessage()]
+    assert said == ["resume is not exact: -s 1 -> 2 (the seed keys each sample's noise and timestep); going on with "
+                    "-s 2"], "once, for the resume under another seed; none for the next, under the same"  # fmt: skip

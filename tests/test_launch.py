@@ -84,3 +84,30 @@ def test_a_single_process_or_the_variable_needs_no_store(monkeypatch, tmp_path):
     assert agree_on_run_dir(lambda: tmp_path / "mine") == tmp_path / "mine"
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "given"))
     assert agree_on_run_dir(lambda: tmp_path / "mine", TorchElasticEnvironment()) == tmp_path / "given"
+
+
+def test_runs_of_one_name_started_in_the_same_second_get_folders_of_their_own_newest_last(tiny_sd, monkeypatch,
+                                                                                         tmp_path):  # fmt: skip
+    from types import SimpleNamespace
+
+    from ldm.training.run import find_resume
+    from ldm.utils import run_folder
+    from main import main
+    from tests.conftest import write_images
+    from tests.helpers import finetune_args
+
+    monkeypatch.setattr(run_folder, "time", SimpleNamespace(strftime=lambda fmt: "2026-12-07T10-00-00"))
+    made = [run_folder.make_run_dir(tmp_path / "made", "tiny") for _ in range(10)]
+    assert [path.name for path in made[:3]] == ["2026-12-07T10-00-00_tiny", "2026-12-07T10-00-00.2_tiny",
+                                                "2026-12-07T10-00-00.3_tiny"]  # fmt: skip
+    older = tmp_path / "made" / "2026-12-07T09-59-59.7_tiny"
+    older.mkdir()
+    assert sorted((tmp_path / "made").glob("*_tiny"), key=run_folder.started_order) == [older, *made], ".10 after .9"
+
+    images, logs = write_images(tmp_path / "images", n=4), tmp_path / "logs"
+    for steps in (1, 2):  # two runs of one name in the same second, each in its own folder
+        assert main(finetune_args(tiny_sd, images, logs, f"lightning.trainer.max_steps={steps}",
+                                  "lightning.callbacks.image_logger=null")) == 0  # fmt: skip
+    first, second = sorted(logs.iterdir(), key=run_folder.started_order)
+    assert (first.name, second.name) == ("2026-12-07T10-00-00_tiny", "2026-12-07T10-00-00.2_tiny")
+    assert find_resume("auto", logs, "tiny").ckpt.name == "step-000002.ckpt", "-r auto takes the newer run"

@@ -4,9 +4,11 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from ldm.config import load_config
 from ldm.training.memory import GIB, plan_training_step
+from ldm.training.optim import LowMemoryAdamW
 from ldm.training.placement import place
 
 SD_FOLDER = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "sd-folder.yaml"
@@ -102,3 +104,21 @@ def test_shards_are_planned_as_precomputed_latents_and_captions(tiny_sd, image_f
     encoding = plan_training_step(config(*args), fake=False)
     assert shards.peak == cached.peak != encoding.peak
     assert shards.peak_by_category == cached.peak_by_category
+
+
+class SubclassedLowMemoryAdamW(LowMemoryAdamW):
+    """A user's own variant: the planner must trace it as the low-memory optimizer it is."""
+
+
+@pytest.mark.parametrize(("target", "low_memory"), [("ldm.training.optim.LowMemoryAdamW", True),
+                                                    ("tests.test_memory_plan.SubclassedLowMemoryAdamW", True),
+                                                    ("torch.optim.AdamW", False), (None, False)])  # fmt: skip
+def test_the_planner_knows_the_low_memory_optimizer_by_its_class(target, low_memory):
+    from types import SimpleNamespace
+
+    from ldm.training.memory import _optimizer
+
+    weights = [torch.nn.Parameter(torch.zeros(4, 4))]
+    system = SimpleNamespace(trained_parameters=lambda: weights)
+    optimizer = _optimizer({"optimizer": {"target": target, "params": {"lr": 1e-3}} if target else None}, system)
+    assert isinstance(optimizer, LowMemoryAdamW) is low_memory

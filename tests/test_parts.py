@@ -54,3 +54,16 @@ def test_missing_subfolder_names_the_path(tiny_sd, tmp_path):
         build_parts(str(tmp_path))
     with pytest.raises(ConfigError, match=r"model\.params\.unet: missing; give `model\.params\.pretrained"):
         build_parts(None)
+
+
+def test_the_vae_downscale_is_diffusers_vae_scale_factor(tiny_sd):
+    from diffusers import AutoencoderKL, StableDiffusionPipeline
+    from diffusers.configuration_utils import FrozenDict
+
+    from ldm.components import vae_downscale
+    from tests.conftest import REPO
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd, local_files_only=True, safety_checker=None)
+    assert vae_downscale(pipe.vae.config) == pipe.vae_scale_factor
+    sd15 = FrozenDict(AutoencoderKL.load_config(REPO / "configs" / "models" / "sd15" / "vae"))
+    assert vae_downscale(sd15) == 8, "SD 1.5: 512 px are 64 latent cells"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ldm.ui.runs import PRESETS, Job, Roots, list_runs, train_args
+from ldm.ui.runs import CONFIGS, Job, Roots, list_runs, presets, train_args
 
 
 def test_paths_outside_the_chosen_folders_are_refused_links_included(tmp_path):
@@ -32,20 +32,32 @@ def test_paths_outside_the_chosen_folders_are_refused_links_included(tmp_path):
 def test_the_train_fields_become_main_py_arguments_and_nothing_else(tmp_path):
     overrides = "data.params.size=256\n\n lightning.trainer.precision=bf16-mixed "
     logs = tmp_path / "logs"
-    args = train_args("sd-folder.yaml", tmp_path / "sd", tmp_path / "images", "my-run", 40, overrides, logs)
+    args = train_args("finetune/sd-folder.yaml", tmp_path / "sd", tmp_path / "images", "my-run", 40, overrides, logs)
     assert args == [
-        "-t", "-b", str(PRESETS / "sd-folder.yaml"), "-l", str(tmp_path / "logs"), "-n", "my-run",
+        "-t", "-b", str(CONFIGS / "finetune" / "sd-folder.yaml"), "-l", str(tmp_path / "logs"), "-n", "my-run",
         f"model.params.pretrained={tmp_path / 'sd'}", f"data.params.root={tmp_path / 'images'}",
         "lightning.trainer.max_steps=40", "data.params.size=256", "lightning.trainer.precision=bf16-mixed",
     ]  # fmt: skip
+    preset = "finetune/sd-folder.yaml"
     for fields, message in (
         (("../../x.yaml", None, None, "run", None, ""), "preset: '../../x.yaml' is not one of"),
-        (("sd-folder.yaml", None, None, "../up", None, ""), "run name: '../up'; use letters"),
-        (("sd-folder.yaml", None, None, "run", None, "-r /elsewhere"), "overrides: '-r /elsewhere' is not key.path"),
-        (("sd-folder.yaml", None, None, "run", None, "--logdir=/tmp"), "overrides: '--logdir=/tmp' is not key.path"),
+        (("sd-folder.yaml", None, None, "run", None, ""), "preset: 'sd-folder.yaml' is not one of"),
+        ((preset, None, None, "../up", None, ""), "run name: '../up'; use letters"),
+        ((preset, None, None, "run", None, "-r /elsewhere"), "overrides: '-r /elsewhere' is not key.path"),
+        ((preset, None, None, "run", None, "--logdir=/tmp"), "overrides: '--logdir=/tmp' is not key.path"),
     ):
         with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(".", r"\.")):
             train_args(*fields, tmp_path / "logs")
+
+
+def test_the_train_tab_offers_the_quickstart_and_pretraining_configs_too(tmp_path):
+    offered = presets()
+    assert offered[0].startswith("finetune/") and "finetune/sdxl-lora-8gb.yaml" in offered
+    assert {"quickstart/digits-ldm.yaml", "pretrain/tiny-shards.yaml", "pretrain/microdit-2-256.yaml"} <= set(offered)
+    assert all((CONFIGS / preset).is_file() for preset in offered)
+    args = train_args("quickstart/digits-ldm.yaml", None, None, "digits", 800, "model.params.vae.pretrained=v",
+                      tmp_path)  # fmt: skip
+    assert args[:3] == ["-t", "-b", str(CONFIGS / "quickstart" / "digits-ldm.yaml")] and args[-1].endswith("=v")
 
 
 def test_a_job_reports_its_run_folder_newest_progress_and_ending(tmp_path):

@@ -26,3 +26,9 @@ class Parts(dict):
     def networks(self) -> dict[str, torch.nn.Module]:
         """The parts that are networks (have weights), in order."""
         return {name: part for name, part in self.items() if isinstance(part, torch.nn.Module)}
+
+
+def vae_downscale(vae_config: Any) -> int:
+    """How many pixels a latent cell spans along each side: 2 to the power of the VAE's downsampling stages (its
+    blocks less one), the `vae_scale_factor` diffusers' pipelines compute. The one place ldm computes it."""
+    return 2 ** (len(vae_config.block_out_channels) - 1)

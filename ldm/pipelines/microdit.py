@@ -21,6 +21,7 @@ from diffusers.image_processor import VaeImageProcessor
 # Imported here so that loading a folder finds its transformer's class: diffusers 0.42 loads a component of a
 # library it does not know only from a module already imported (it will not import one a folder names).
 from ldm.backbones.microdit import MicroDiT
+from ldm.components import vae_downscale
 
 
 class MicroDiTPipeline(DiffusionPipeline):
@@ -33,7 +34,7 @@ class MicroDiTPipeline(DiffusionPipeline):
         self.register_modules(
             transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler
         )
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.vae_scale_factor = vae_downscale(vae.config)
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
 
     @torch.no_grad()

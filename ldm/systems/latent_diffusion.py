@@ -18,7 +18,7 @@ import torch
 
 from ldm import diffusion
 from ldm.backbones import as_denoiser
-from ldm.components import Parts
+from ldm.components import Parts, vae_downscale
 from ldm.components.conditioning import CONDITIONINGS, conditioning_for
 from ldm.components.describe import describe_parts
 from ldm.components.lora import is_lora_key
@@ -253,7 +253,7 @@ class LatentDiffusion(pl.LightningModule):
         image = CONDITIONINGS[self.conditioning].image
         if image is None:
             return {}
-        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        factor = vae_downscale(self.vae.config)
         return image(batch, (latents.shape[-2] * factor, latents.shape[-1] * factor), latents.device)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
@@ -392,8 +392,8 @@ class LatentDiffusion(pl.LightningModule):
                 optimizer.init_state()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Store the resolved config and every part's own config, so a checkpoint is self-contained."""
-        checkpoint["ldm"] = {"config": self.run_config, "parts": describe_parts(self.parts)}
+        """Store the resolved config, every part's own config and the run's seed: a self-contained checkpoint."""
+        checkpoint["ldm"] = {"config": self.run_config, "parts": describe_parts(self.parts), "seed": self.seed}
         if self.lora is not None:
             checkpoint["ldm"]["lora"] = {"spec": self.lora, "trainable": list(self.trainable)}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_lora_key(k)}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from ldm.components import vae_downscale
 from ldm.components.build import (
     DEFAULT_CLASSES,
     NETWORK_PARTS,
@@ -148,11 +149,21 @@ class _NoHook:
         pass
 
 
+def _is_low_memory(target: str | None) -> bool:
+    """Whether `target` names `LowMemoryAdamW` or a subclass: the class decides, not its spelling. A target that
+    cannot be imported here (Colossal-AI's HybridAdam, planned without Colossal-AI) is not."""
+    try:
+        optimizer = import_target(target, "model.params.optimizer.target") if target else None
+    except ConfigError:
+        return False
+    return isinstance(optimizer, type) and issubclass(optimizer, LowMemoryAdamW)
+
+
 def _optimizer(params: dict, system: Any) -> torch.optim.Optimizer:
     """The configured optimizer where the planner can trace it (`LowMemoryAdamW`, its state created first, as in
     every step after the first); AdamW otherwise (Colossal-AI's place their states by `place`'s arithmetic)."""
     spec = params.get("optimizer") or {}
-    if spec.get("target") == f"{LowMemoryAdamW.__module__}.{LowMemoryAdamW.__name__}":
+    if _is_low_memory(spec.get("target")):
         optimizer = LowMemoryAdamW(system.trained_parameters(), **(spec.get("params") or {}))
         optimizer.init_state()
         return optimizer
@@ -167,7 +178,7 @@ def _batch(system: Any, params: dict, data: dict, batch_size: int, resolution: i
     if not data.get("cache_latents"):
         batch["pixel_values"] = torch.zeros(batch_size, vae.in_channels, resolution, resolution)
     else:
-        side = resolution // 2 ** (len(vae.block_out_channels) - 1)
+        side = resolution // vae_downscale(vae)
         batch["latents"] = torch.zeros(batch_size, vae.latent_channels, side, side)
         if params.get("sample_latents", True):
             batch["latent_std"] = torch.zeros_like(batch["latents"])

@@ -29,7 +29,7 @@ from ldm.training.checks import check_config
 from ldm.training.launch import agree_on_run_dir
 from ldm.training.report import Report, write_report
 from ldm.utils.atomic import verify
-from ldm.utils.run_folder import RUN_DIR_ENV
+from ldm.utils.run_folder import RUN_DIR_ENV, STARTED, make_run_dir, started_order
 from ldm.weights.checkpoint import unpickled_object
 from ldm.weights.formats import CHECKPOINTS, Format, detect
 
@@ -61,7 +61,7 @@ def find_resume(resume: str, logdir: Path, name: str | None) -> Resume | None:
     if resume == "auto":
         if not name:
             raise ConfigError("-r auto needs -n NAME to know which run to continue")
-        for run_dir in sorted(logdir.glob(f"*_{name}"), reverse=True):
+        for run_dir in sorted(logdir.glob(f"*_{name}"), key=started_order, reverse=True):
             found = _newest_intact(run_dir, "-r auto")
             if found is not None:
                 return found
@@ -165,7 +165,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, uses_our_sampler: bool) -> pl.
 def launch_name(folder: Path) -> str:
     """A name for this launch's logs in `folder`: its start time, with a count added if a launch that
     started in the same second (a fast resume) already took it."""
-    stem = time.strftime("%Y-%m-%dT%H-%M-%S")
+    stem = time.strftime(STARTED)
     taken = {path.name for path in folder.glob(f"{stem}*")} if folder.is_dir() else set()
     return next(name for name in (stem, *(f"{stem}-{n}" for n in range(2, len(taken) + 2))) if name not in taken)
 
@@ -202,7 +202,7 @@ def train(
         run_dir = resumed.run_dir
     else:  # the first rank names the folder; the others (torchrun, SLURM, Lightning's launcher) receive it
         name = name or Path(bases[0]).stem
-        run_dir = agree_on_run_dir(lambda: logdir / f"{time.strftime('%Y-%m-%dT%H-%M-%S')}_{name}")
+        run_dir = agree_on_run_dir(lambda: make_run_dir(logdir, name))
     (run_dir / "configs").mkdir(parents=True, exist_ok=True)
     handler = _log_to_file(run_dir)
     inherited = RUN_DIR_ENV in os.environ

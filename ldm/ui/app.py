@@ -136,7 +136,7 @@ def build_app(roots: Roots, logdir: Path) -> gr.Blocks:
         gr.Markdown(f"## ldm\nRuns in `{logdir}`; paths must lie in: " + ", ".join(f"`{r}`" for r in roots.folders))
         with gr.Tab("Train"):
             with gr.Row():
-                preset = gr.Dropdown(presets(), value="sd-folder.yaml", label="preset", elem_id="preset")
+                preset = gr.Dropdown(presets(), value="finetune/sd-folder.yaml", label="preset", elem_id="preset")
                 name = gr.Textbox("ui-run", label="run name", elem_id="name")
                 steps = gr.Number(0, precision=0, label="max steps (0: the preset's)", elem_id="steps")
             with gr.Row():

@@ -17,9 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ldm.utils.run_folder import STARTED, started_order
+
 REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "main.py"
-PRESETS = REPO / "configs" / "finetune"
+CONFIGS = REPO / "configs"
+PRESET_FOLDERS = ("finetune", "quickstart", "pretrain")  # what the Train tab offers, in this order
 
 STEP = re.compile(r"^step ([\d,]+)(?:/([\d,]+))?")
 RUN_FOLDER = re.compile(r"^run folder: (.+)$")
@@ -47,8 +50,9 @@ class Roots:
 
 
 def presets() -> list[str]:
-    """The fine-tuning presets' file names (configs/finetune/*.yaml)."""
-    return sorted(path.name for path in PRESETS.glob("*.yaml"))
+    """The configs the Train tab offers, as paths under configs/: the fine-tuning presets, then the quickstart's
+    and the pretraining recipes."""
+    return [f"{folder}/{path.name}" for folder in PRESET_FOLDERS for path in sorted((CONFIGS / folder).glob("*.yaml"))]
 
 
 def train_args(
@@ -59,7 +63,7 @@ def train_args(
         raise ValueError(f"preset: {preset!r} is not one of {', '.join(presets())}")
     if not re.fullmatch(r"[\w.-]+", name or ""):
         raise ValueError(f"run name: {name!r}; use letters, digits, '.', '_' and '-'")
-    args = ["-t", "-b", str(PRESETS / preset), "-l", str(logdir), "-n", name]
+    args = ["-t", "-b", str(CONFIGS / preset), "-l", str(logdir), "-n", name]
     args += [f"model.params.pretrained={weights}"] if weights else []
     args += [f"data.params.root={images}"] if images else []
     args += [f"lightning.trainer.max_steps={int(steps)}"] if steps else []
@@ -111,7 +115,7 @@ def launch(args: list[str], logdir: Path) -> Job:
     """Start `main.py args` in its own process group; its output goes to `logdir/.ui/<time>.log`."""
     folder = logdir / ".ui"
     folder.mkdir(parents=True, exist_ok=True)
-    output = folder / f"{time.strftime('%Y-%m-%dT%H-%M-%S')}-{os.getpid()}-{time.monotonic_ns()}.log"
+    output = folder / f"{time.strftime(STARTED)}-{os.getpid()}-{time.monotonic_ns()}.log"
     with open(output, "w", encoding="utf-8") as sink:
         process = subprocess.Popen(  # noqa: S603 - our own main.py, with arguments checked above
             [sys.executable, str(MAIN), *args],
@@ -141,7 +145,7 @@ def list_runs(logdir: Path) -> list[Path]:
     if not logdir.is_dir():
         return []
     runs = [path for path in logdir.iterdir() if (path / "configs" / "project.yaml").is_file()]
-    return sorted(runs, key=lambda path: path.name, reverse=True)
+    return sorted(runs, key=started_order, reverse=True)
 
 
 def newest_grid(run_dir: Path | None) -> Path | None:

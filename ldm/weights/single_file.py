@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ldm.components import Parts
+from ldm.components import Parts, vae_downscale
 from ldm.components.describe import describe_parts, parts_from_description
 from ldm.components.families import CONFIGS, FAMILIES, Family, family_description, family_of
 from ldm.utils.atomic import atomic_path
@@ -156,7 +156,7 @@ def modelspec(parts: Parts, family: Family | None, title: str) -> dict[str, str]
     resolution and prediction type; none for a custom architecture, which has no architecture id."""
     if family is None:
         return {}
-    size = parts.unet.config.sample_size * 2 ** (len(parts.vae.config.block_out_channels) - 1)
+    size = parts.unet.config.sample_size * vae_downscale(parts.vae.config)
     return {
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": MODELSPEC_ARCHITECTURES[family.name],

@@ -229,7 +229,13 @@ class Checkpoints(Checkpoint):
         checkpoint["rng_states"] = rng_states()
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        """Take the random states to restore; a resume under another `-s` than the run's (which the system records)
+        goes on and says so in one line: the seed keys every sample's noise and timestep."""
         self._pending_rng = checkpoint.get("rng_states")
+        saved, seed = checkpoint.get("ldm", {}).get("seed"), getattr(pl_module, "seed", None)
+        if saved is not None and saved != seed and trainer.is_global_zero:
+            log.warning("resume is not exact: -s %s -> %s (the seed keys each sample's noise and timestep); going on "
+                        "with -s %s", saved, seed, seed)  # fmt: skip
 
 
 def rng_states() -> dict:
