@@ -26,6 +26,11 @@ def pytest_configure(config: pytest.Config) -> None:
     runs `-n 2`) each worker computes on one thread, and so do the commands its tests start: two workers on two
     cores, instead of each asking for every core."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
+        if config.getoption("dist", "no") == "loadgroup" and _loadgroup_ignored():
+            raise pytest.UsageError(
+                f"pytest {pytest.__version__} with pytest-xdist {_xdist_version()} ignores --dist loadgroup's groups "
+                "(pytest-xdist#1386): the exclusive tests would run at once; install pytest<9.2 (setup.py's dev extra)"
+            )
         os.environ[JUDGE_CACHE] = tempfile.mkdtemp(prefix="ldm-judges-")
     else:
         import torch
@@ -34,9 +39,24 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+def _xdist_version() -> str:
+    from importlib.metadata import version
+
+    return version("pytest-xdist")
+
+
+def _loadgroup_ignored() -> bool:
+    """pytest 9.2 stopped honouring the test ids pytest-xdist (up to 3.8) rewrites to name a test's group."""
+    from packaging.version import Version
+
+    return Version(pytest.__version__) >= Version("9.2") and Version(_xdist_version()) <= Version("3.8.0")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        shutil.rmtree(os.environ.pop(JUDGE_CACHE), ignore_errors=True)
+        folder = os.environ.pop(JUDGE_CACHE, None)  # none if configure stopped the run
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -51,19 +71,6 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     defs = info.name2fixturedefs.values() if info is not None else ()
     if any(d.scope in MODULE_SCOPES for fixturedefs in defs for d in fixturedefs):
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Under `--dist loadgroup`, a grouped test whose id lacks its group's `@name` would run beside the others of its
-    group (pytest 9.2 with pytest-xdist 3.8 drops the suffix, pytest-xdist#1386): refuse to run then."""
-    if not getattr(session.config.option, "loadgroup", False):
-        return
-    for item in session.items:
-        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rpartition("]")[2].rpartition("::")[2]:
-            raise pytest.UsageError(
-                f"{item.nodeid}: pytest-xdist did not give this test its group (pytest {pytest.__version__}); "
-                "its exclusive tests would run at once: install pytest<9.2 (setup.py's dev extra pins it)"
-            )
 
 
 @pytest.fixture(scope="session")
