@@ -59,6 +59,14 @@ def test_memory_smoke(tmp_path):
     assert headline.startswith("memory: tiny model step on CPU, ours ")
 
 
+def test_load_memory_smoke(tmp_path):
+    result, headline = smoke("load_memory.py", tmp_path)
+    (row,) = result["presets"].values()
+    assert row["kept"] > 0 and row["ours_peak"] > 0 and row["before_peak"] > 0
+    assert row["ours_vs_kept"] == row["ours_peak"] / row["kept"] and "run_peak" not in row
+    assert headline.startswith(f"load memory: worst preset sd15-lora.yaml: peak {row['ours_vs_kept']:.2f}x the bytes")
+
+
 def test_gpu_throughput_smoke_on_a_cpu(tmp_path):
     result, headline = smoke("gpu_throughput.py", tmp_path)
     assert result["flops_per_image"] > 0

@@ -73,7 +73,10 @@ def test_diffusers_from_single_file_reads_our_export_as_we_do(sd_layout, tmp_pat
     theirs.scheduler = inference_scheduler(theirs.scheduler)
     ours_pipe = build_pipeline(ours)
     images = [sample(pipe, ["a photo of a cat"], steps=3, height=64, width=64)[0] for pipe in (theirs, ours_pipe)]
-    assert np.array_equal(np.asarray(images[0]), np.asarray(images[1]))
+    # The weights are bit-identical (above), but not laid out alike: diffusers' tensors are the file's memory map,
+    # at the file's offsets, ours are copies (aligned), and CPU kernels sum in another order on other alignments.
+    apart = np.abs(np.asarray(images[0], dtype=int) - np.asarray(images[1], dtype=int))
+    assert apart.max() <= 1 and (apart > 0).mean() < 1e-3, (apart.max(), (apart > 0).sum())
 
 
 def test_round_trips_are_bit_identical(sd_layout, tmp_path):

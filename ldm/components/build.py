@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -60,18 +61,24 @@ class PartSpec(TypedDict, total=False):
 
 
 def build_parts(
-    pretrained: str | None = None, key: str = "model.params", base: Parts | None = None, **specs: Any
+    pretrained: str | None = None,
+    key: str = "model.params",
+    base: Parts | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    **specs: Any,
 ) -> Parts:
     """Build every part: a module (or tokenizer, scheduler) passes through, a spec is built, a missing
     one is taken from `base` (parts already read) or else is the part's subfolder of the diffusers
-    folder `pretrained`; an optional part (`OPTIONAL_PARTS`) only where it is given or the folder has it."""
+    folder `pretrained`; an optional part (`OPTIONAL_PARTS`) only where it is given or the folder has it.
+    A network built here is loaded (or made) in its dtype in `dtypes`, by part name; float32 where not given."""
     built = Parts(base or {})
     listed = folder_parts(pretrained, f"{key}.pretrained") if base is None else set()
     for name in (*PART_NAMES, *OPTIONAL_PARTS):
         if specs.get(name) is None and (base is not None or name in OPTIONAL_PARTS and name not in listed):
             continue
         spec = part_spec(name, specs.get(name), pretrained, key)
-        built[name] = build_part(name, spec, f"{key}.{name}") if isinstance(spec, dict) else spec
+        dtype = (dtypes or {}).get(name, torch.float32)
+        built[name] = build_part(name, spec, f"{key}.{name}", dtype) if isinstance(spec, dict) else spec
     return built
 
 
@@ -106,27 +113,36 @@ def part_folder(spec: dict) -> Path:
     return folder / spec["subfolder"] if spec.get("subfolder") else folder
 
 
+def _is_transformers_model(cls: type) -> bool:
+    return hasattr(cls, "config_class") and not hasattr(cls, "from_config")
+
+
 def module_from_config(cls: type, config: dict) -> torch.nn.Module:
     """A network with fresh weights from its config: a transformers model through its `config_class`."""
-    if hasattr(cls, "config_class") and not hasattr(cls, "from_config"):
+    if _is_transformers_model(cls):
         return cls(cls.config_class(**{k: v for k, v in config.items() if not k.startswith("_")}))
     return cls.from_config(config)
 
 
-def build_part(name: str, spec: dict, key: str) -> Any:
-    """Build one part from a `PartSpec`; errors name `key` and the path that was read."""
+def build_part(name: str, spec: dict, key: str, dtype: torch.dtype = torch.float32) -> Any:
+    """Build one part from a `PartSpec`, a network in `dtype`; errors name `key` and the path that was read."""
     cls = import_target(spec.get("target", DEFAULT_CLASSES[name]), f"{key}.target")
     if ("pretrained" in spec) == ("config" in spec):
         raise ConfigError(f"{key}: give exactly one of `pretrained` (a local folder) or `config`")
     if "config" in spec:
-        return _from_config(name, cls, dict(spec["config"]), key)
+        part = _from_config(name, cls, dict(spec["config"]), key)
+        return part.to(dtype) if isinstance(part, torch.nn.Module) else part
     source = part_folder(spec)
     if not source.is_dir():
         raise ConfigError(f"{key}: no folder {source} (from {key}.pretrained); expected a diffusers-format folder")
     try:
         if name == "scheduler":
             return cls.from_config(cls.load_config(source))
-        return cls.from_pretrained(source, local_files_only=True)
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):  # a tokenizer
+            return cls.from_pretrained(source, local_files_only=True)
+        # Read straight into its dtype. transformers 5 calls the argument `dtype` and still takes `torch_dtype`, the
+        # name 4.x and diffusers know; without it, transformers 5 would load the dtype the folder's config says.
+        return cls.from_pretrained(source, local_files_only=True, torch_dtype=dtype)
     except (OSError, ValueError) as err:
         raise ConfigError(f"{key}: cannot load {cls.__name__} from {source}: {' '.join(str(err).split())}") from None
 
@@ -134,8 +150,7 @@ def build_part(name: str, spec: dict, key: str) -> Any:
 def _from_config(name: str, cls: type, config: dict, key: str) -> Any:
     if name.startswith("tokenizer"):
         return _tokenizer_from_config(cls, config, key)
-    is_transformers_model = hasattr(cls, "config_class") and not hasattr(cls, "from_config")
-    _check_keys(config, inspect.signature((cls.config_class if is_transformers_model else cls).__init__), key)
+    _check_keys(config, inspect.signature((cls.config_class if _is_transformers_model(cls) else cls).__init__), key)
     return module_from_config(cls, config)
 
 

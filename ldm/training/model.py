@@ -16,7 +16,7 @@ from typing import Any, Literal, TypedDict
 import torch
 
 from ldm.components import Parts
-from ldm.components.build import NETWORK_PARTS, PartSpec
+from ldm.components.build import NETWORK_PARTS, OPTIONAL_PARTS, PartSpec
 from ldm.components.describe import config_dict
 from ldm.components.families import FamilyName
 from ldm.components.lora import LoraSpec, add_lora
@@ -214,6 +214,8 @@ class PartsForTraining:
                 self.pretrained,
                 pretrained_ema=self.pretrained_ema,
                 pretrained_family=self.pretrained_family,
+                dtypes=self.dtypes(),
+                keep_extras=False,  # an export reads them again from model.params.pretrained
                 **self.specs,
             )
         for name in self.trainable:
@@ -243,6 +245,14 @@ class PartsForTraining:
         if self.lora is not None:
             add_lora(parts, self.trainable, self.lora)
         return parts
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype each network lives in during the run, so that it is read straight into it: the frozen ones in
+        `frozen_dtype` (every network's own weights with LoRA), the trained ones in `trainable_dtype`; float32 else."""
+        frozen, trained = (DTYPES.get(self.memory[k] or "float32") for k in ("frozen_dtype", "trainable_dtype"))
+        adapters = self.lora is not None
+        names = (*NETWORK_PARTS, *OPTIONAL_PARTS)
+        return {name: trained if name in self.trainable and not adapters else frozen for name in names}
 
 
 def _load_part_weights(module: torch.nn.Module, path: Path, key: str) -> None:

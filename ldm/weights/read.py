@@ -8,8 +8,11 @@ single file, or from a diffusers folder that carries its extras, keep them (`ldm
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ldm.components import Parts
 from ldm.components.build import OPTIONAL_PARTS, PART_NAMES, build_parts
@@ -31,20 +34,24 @@ def read_parts(
     family: str | None = None,
     trust_pickle: bool = False,
     where: str = "--src",
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    keep_extras: bool = True,
 ) -> Parts:
-    """Float32 parts from a diffusers folder, one of our checkpoints, or an original single file.
+    """Parts from a diffusers folder, one of our checkpoints, or an original single file: float32, or each network
+    read straight into its dtype in `dtypes` (by part name) from a diffusers folder or a single file.
 
-    What was read (for a single file: the family and how it was told) is logged, after `where`."""
+    What was read (for a single file: the family and how it was told) is logged, after `where`. The tensors of a
+    single file that no part holds are kept with the parts unless `keep_extras` is False."""
     src = Path(src)
     kind = detect(src)
     if kind is Format.DIFFUSERS:
         if ema or family:
             raise ValueError(f"{src}: a diffusers folder holds one set of weights; drop --ema / --family")
         try:
-            parts = build_parts(pretrained=str(src), key=where)
+            parts = build_parts(pretrained=str(src), key=where, dtypes=dtypes)
         except ConfigError as err:
             raise ValueError(str(err)) from None
-        return attach(parts, read_extras(src))
+        return attach(parts, read_extras(src) if keep_extras else None)
     if kind in CHECKPOINT_FOLDERS:
         log.info("%s: %s: %s", where, src, kind.value)
         return parts_from_checkpoint(load_checkpoint(src), ema)
@@ -59,7 +66,7 @@ def read_parts(
             log.info("%s: %s: an ldm checkpoint (step %s)", where, src, obj.get("global_step"))
             return parts_from_checkpoint(obj, ema)
         loaded = split_pickle(obj, src)
-    parts, line = load_single_file(src, ema, family, loaded=loaded)
+    parts, line = load_single_file(src, ema, family, loaded=loaded, dtypes=dtypes, keep_extras=keep_extras)
     log.info("%s: %s", where, line)
     return parts
 
@@ -69,23 +76,32 @@ def load_pretrained(
     key: str = "model.params",
     pretrained_ema: bool = False,
     pretrained_family: str | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    keep_extras: bool = True,
     **specs: Any,
 ) -> Parts:
     """Every part, as a config describes it: a module passes through, a spec is built, and a missing one
     comes from `pretrained`, in any format `read_parts` reads; `pretrained_ema` and `pretrained_family`
-    apply to single files and our checkpoints."""
+    apply to single files and our checkpoints. Networks are read or built in their dtype in `dtypes`."""
     if pretrained is None or detect(pretrained) not in CHECKPOINTS:
         if pretrained_ema or pretrained_family:
             option = "pretrained_ema" if pretrained_ema else "pretrained_family"
             raise ConfigError(
                 f"{key}.{option}: applies to a single-file {key}.pretrained (.safetensors / .ckpt), not a folder"
             )
-        return build_parts(pretrained, key, **specs)
+        return build_parts(pretrained, key, dtypes=dtypes, **specs)
     try:
-        parts = read_parts(Path(pretrained).expanduser(), pretrained_ema, pretrained_family, where=f"{key}.pretrained")
+        parts = read_parts(
+            Path(pretrained).expanduser(),
+            pretrained_ema,
+            pretrained_family,
+            where=f"{key}.pretrained",
+            dtypes=dtypes,
+            keep_extras=keep_extras,
+        )
     except ValueError as err:
         raise ConfigError(f"{key}.pretrained: {err}") from None
-    return build_parts(pretrained, key, base=parts, **specs)
+    return build_parts(pretrained, key, base=parts, dtypes=dtypes, **specs)
 
 
 def parts_from_checkpoint(ckpt: dict, ema: bool = False, merge: bool = True) -> Parts:

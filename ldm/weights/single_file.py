@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from ldm.weights.keymaps import (
     original_names,
     text_layout_of,
 )
+from ldm.weights.tensors import Renamed, TensorFile
 
 log = logging.getLogger(__name__)
 
@@ -170,22 +171,21 @@ def modelspec(parts: Parts, family: Family | None, title: str) -> dict[str, str]
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def read_single_file(path: str | Path, trust_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict, Any]:
-    """(state dict, our metadata or {}, global_step or None) of a single file, without running code from it."""
+def read_single_file(path: str | Path, trust_pickle: bool = False) -> tuple[Mapping[str, torch.Tensor], dict, Any]:
+    """(state dict, our metadata or {}, global_step or None) of a single file, without running code from it.
+
+    A `.safetensors` file's state is a `TensorFile`: each tensor is read when it is looked up."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
-        from safetensors.torch import load_file, safe_open
 
         try:
-            with safe_open(str(path), "pt") as handle:
-                metadata = handle.metadata() or {}
-            state = load_file(str(path))
+            state = TensorFile(path)
         except (SafetensorError, OSError) as err:
             raise SingleFileError(f"{path}: not a readable safetensors file ({err})") from None
-        return state, json.loads(metadata.get(METADATA_KEY, "{}")), None
+        return state, json.loads(state.metadata.get(METADATA_KEY, "{}")), None
     if path.suffix not in PICKLE_SUFFIXES:
         raise SingleFileError(f"{path}: expected a .safetensors or .ckpt file")
     try:
@@ -269,18 +269,29 @@ def detect_family(
 
 
 def load_single_file(
-    path: str | Path, ema: bool = False, family: str | None = None, trust_pickle: bool = False, loaded: tuple = ()
+    path: str | Path,
+    ema: bool = False,
+    family: str | None = None,
+    trust_pickle: bool = False,
+    loaded: tuple = (),
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    keep_extras: bool = True,
 ) -> tuple[Parts, str]:
-    """Parts (float32) from an original single file, and a line saying which family was detected and how.
+    """Parts from an original single file, and a line saying which family was detected and how.
 
-    `loaded` is the file's `(state, metadata, global_step)` where the caller has read it already."""
+    Each network is read straight into its dtype in `dtypes` (by part name; float32 where not given), tensor by
+    tensor. `loaded` is the file's `(state, metadata, global_step)` where the caller has read it already. The
+    tensors no part holds are kept with the parts (`ldm.weights.extras`) unless `keep_extras` is False (a
+    training run, which reads them again from the file when it exports)."""
     path = Path(path)
     state, metadata, global_step = loaded or read_single_file(path, trust_pickle)
     detected, how = detect_family(state, metadata, global_step, family, where=str(path))
     parts = parts_from_description(metadata["parts"] if metadata.get("parts") else family_description(detected))
     layout = metadata.get("text_layout") or detected.text_layout
-    _load_original(parts, _with_ema(state, path) if ema else state, layout, path)
-    extras = {k: state[k] for k in extra_keys(state, parts, layout, ema) if isinstance(state[k], torch.Tensor)}
+    _load_original(parts, _with_ema(state, path) if ema else state, layout, path, dtypes or {})
+    extras = {}
+    if keep_extras:
+        extras = {k: v for k in extra_keys(state, parts, layout, ema) if isinstance(v := state[k], torch.Tensor)}
     attach(parts, extras_read_with(parts, extras, str(path), layout))
     title = detected.title if detected else "a custom architecture"
     prediction = parts.scheduler.config.get("prediction_type", "epsilon")
@@ -336,8 +347,8 @@ def _tensors_of(path: Path) -> Iterator[tuple[list[str] | None, Callable[[str], 
     yield [k for k, v in state.items() if isinstance(v, torch.Tensor)], state.__getitem__
 
 
-def _with_ema(state: dict, path: Path) -> dict:
-    """Replace the UNet weights by the EMA weights stored beside them (`model_ema.<key without dots>`)."""
+def _with_ema(state: Mapping[str, torch.Tensor], path: Path) -> Mapping[str, torch.Tensor]:
+    """`state` whose UNet weights read the EMA weights stored beside them (`model_ema.<key without dots>`)."""
     ema = {}
     for key in state:
         if key.startswith(UNET):
@@ -347,22 +358,26 @@ def _with_ema(state: dict, path: Path) -> dict:
                     f"{path}: has no EMA weights ({flat} missing); its UNet weights may be the EMA ones already "
                     "(as in *-emaonly files): drop the EMA setting"
                 )
-            ema[key] = state[flat]
-    return {**state, **ema}
+            ema[key] = flat
+    return Renamed(state, ema)
 
 
-def _load_original(parts: Parts, state: dict, layout: str, path: Path) -> None:
-    """Load an original-layout state dict into `parts` (built on the meta device), as float32."""
+def _load_original(parts: Parts, state: Mapping, layout: str, path: Path, dtypes: Mapping[str, torch.dtype]) -> None:
+    """Load an original-layout state dict into `parts` (built on the meta device), each part's floating-point
+    weights in its dtype in `dtypes` (float32 where not given). Each weight is read, reshaped and cast on its
+    own, into memory of its own: no part is ever held in another dtype, nor the file's tensors beside it."""
     by_part: dict[str, dict] = {name: {} for name in parts.networks}
     shapes = {part: {k: v.shape for k, v in getattr(parts, part).state_dict().items()} for part in by_part}
+    last: tuple[str, torch.Tensor] | None = None  # the fused q/k/v weight just read, for its next two slots
     for ours, (original, slot) in original_names(parts, layout).items():
         if original not in state:
             raise SingleFileError(f"{path}: missing weight {original} (for {ours}); is it a complete checkpoint?")
-        tensor = state[original]
+        tensor = last[1] if last is not None and last[0] == original else state[original]
+        last = (original, tensor) if slot is not None and slot != TRANSPOSED else None
         if slot == TRANSPOSED:
-            tensor = tensor.T.contiguous()
+            tensor = tensor.T
         elif slot is not None:
-            tensor = tensor.chunk(3)[slot].clone()  # its own storage: savers refuse tensors that share one
+            tensor = tensor.chunk(3)[slot]
         part, _, key = ours.partition(".")
         expected = shapes[part][key]
         if is_vae_attention_weight(original) and tensor.dim() == 4:
@@ -372,7 +387,10 @@ def _load_original(parts: Parts, state: dict, layout: str, path: Path) -> None:
                 f"{path}: {original} has shape {tuple(tensor.shape)}, but the detected architecture expects "
                 f"{tuple(expected)}; the file is not the family it looks like"
             )
-        by_part[part][key] = tensor.to(torch.float32)
+        dtype = dtypes.get(part, torch.float32) if tensor.is_floating_point() else tensor.dtype
+        # A copy, always: its own contiguous storage (savers refuse tensors that share one), not the file's map
+        by_part[part][key] = tensor.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    del last
     for part, part_state in by_part.items():
         module = getattr(parts, part)
         module.load_state_dict(part_state, assign=True)
