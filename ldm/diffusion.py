@@ -1,5 +1,5 @@
-"""Diffusion training math as pure functions: DDPM (Ho et al. 2020) of `alphas_cumprod`, and EDM (Karras et
-al. 2022) of noise levels sigma.
+"""Diffusion training math as pure functions: DDPM (Ho et al. 2020) of `alphas_cumprod`, EDM (Karras et
+al. 2022) of noise levels sigma, and flow matching (rectified flow, as Stable Diffusion 3 and FLUX.1 train it).
 
 The DDPM objective is chosen by data: the prediction type (epsilon | v_prediction) and the loss weighting
 (`snr_gamma`: Min-SNR, or plain MSE); `ddpm_loss` is one training step's loss for any denoiser. Those
@@ -10,6 +10,15 @@ functions work for any noise schedule, need no scheduler object, and are tested 
 their loss weighting, and optionally the loss over the patches a masked denoiser kept (MicroDiT, Sehwag et
 al. 2024), each patch the mean of its pixels' losses.
 
+`flow_loss` is one flow-matching step (Esser et al. 2024, "Scaling Rectified Flow Transformers"): the noisy
+input (1 - sigma) x + sigma noise, the velocity noise - x as the target, sigma drawn logit-normal, by SD3's
+"mode" density or uniformly, then shifted (a static shift, SD3's 3.0, or `resolution_shift` of the image's token
+count, as FLUX.1 samples), and the loss weighted by none, `sigma_sqrt` or `cosmap`. These are checked against
+diffusers' `training_utils.compute_density_for_timestep_sampling` / `compute_loss_weighting_for_sd3` and
+`FlowMatchEulerDiscreteScheduler`. One difference of orientation: the draw is the noise level itself, as in the
+SD3 paper and sd-scripts; diffusers' SD3 script uses it as an index into its descending timestep table, which
+turns a positive `logit_mean` (more noise here) into less noise (the default mean 0 draws the same either way).
+
 Every random number of a step comes from a `Draws`: the global generator by default, or one generator per
 sample keyed by (seed, step, sample id) (`sample_keys`), so that a sample's noise does not depend on which
 process or batch it is trained in: the same global batch then trains the same at any number of processes.
@@ -17,6 +26,7 @@ process or batch it is trained in: the same global batch then trains the same at
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -24,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+FLOW_SAMPLINGS = ("logit_normal", "mode", "uniform")  # how flow matching draws its noise levels
+FLOW_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")  # how it weights each sample's loss
 Denoiser = Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 
 
@@ -256,3 +268,93 @@ def edm_loss(
     if keep is None:
         return per_pixel.mean()
     return torch.gather(patch_means(per_pixel, patch_size), 1, keep).mean()
+
+
+# ----------------------------------------------------------------------------------------------- flow matching
+
+
+def flow_noisy(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The flow-matching input at noise level `sigma` (one per sample): (1 - sigma) x0 + sigma noise, the straight
+    path from the data (sigma 0) to pure noise (sigma 1); diffusers' `FlowMatchEulerDiscreteScheduler.scale_noise`."""
+    shaped = sigma.reshape(-1, *([1] * (x0.ndim - 1))).float()
+    return ((1 - shaped) * x0.float() + shaped * noise.float()).to(x0.dtype)
+
+
+def flow_velocity(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The flow-matching target, the velocity d(noisy)/d(sigma) = noise - x0, which the model predicts."""
+    return (noise.float() - x0.float()).to(x0.dtype)
+
+
+def flow_levels(
+    sampling: str,
+    batch: int,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    draws: Draws = GLOBAL_DRAWS,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """(batch,) noise levels in (0, 1) before any shift, as SD3 trains (Esser et al. 2024, section 3.1):
+    `logit_normal`, sigmoid of N(logit_mean, logit_std^2) (SD3: 0, 1); `mode`, u uniform mapped by
+    1 - u - mode_scale (cos^2(pi u / 2) - 1 + u), which favours the middle for a positive scale (SD3: 1.29);
+    `uniform`. The numbers of diffusers' `compute_density_for_timestep_sampling` for the same draws."""
+    if sampling == "logit_normal":
+        return torch.sigmoid(logit_mean + logit_std * draws.normal(batch, (), device))
+    if sampling not in FLOW_SAMPLINGS:
+        raise ValueError(f"flow sampling must be one of {FLOW_SAMPLINGS}, got {sampling!r}")
+    u = draws.uniform(batch, (), device)
+    if sampling == "mode":
+        return 1 - u - mode_scale * (torch.cos(torch.pi * u / 2) ** 2 - 1 + u)
+    return u
+
+
+def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    """Noise levels moved towards 1 by `shift` (SD3's 3.0; 1 leaves them): shift sigma / (1 + (shift - 1) sigma),
+    the sigmas of diffusers' `FlowMatchEulerDiscreteScheduler(shift=...)`. Higher resolutions need more noise to
+    hide the same image (Esser et al. 2024, section 5.3.2)."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def resolution_shift(
+    tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5, max_shift: float = 1.15
+) -> float:
+    """The shift that follows an image's token count, as FLUX.1 samples: mu on the line through (base_tokens,
+    base_shift) and (max_tokens, max_shift) (diffusers' `calculate_shift`), and exp(mu) as `shift_sigmas`' shift,
+    which equals the scheduler's exponential `time_shift(mu, 1, sigma)`."""
+    slope = (max_shift - base_shift) / (max_tokens - base_tokens)
+    return math.exp(base_shift + slope * (tokens - base_tokens))
+
+
+def flow_weight(sigma: torch.Tensor, weighting: str) -> torch.Tensor:
+    """Per-sample loss weights of diffusers' `compute_loss_weighting_for_sd3`: `none` 1, `sigma_sqrt` 1 / sigma^2,
+    `cosmap` 2 / (pi (1 - 2 sigma + 2 sigma^2))."""
+    if weighting == "none":
+        return torch.ones_like(sigma)
+    if weighting == "sigma_sqrt":
+        return sigma.float() ** -2
+    if weighting == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigma.float() + 2 * sigma.float() ** 2))
+    raise ValueError(f"flow weighting must be one of {FLOW_WEIGHTINGS}, got {weighting!r}")
+
+
+def flow_loss(
+    denoiser: Denoiser,
+    x0: torch.Tensor,
+    cond: Mapping[str, torch.Tensor],
+    sampling: str = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    shift: float = 1.0,
+    weighting: str = "none",
+    num_train_timesteps: int = 1000,
+    draws: Draws = GLOBAL_DRAWS,
+) -> torch.Tensor:
+    """The flow-matching training loss of `denoiser(noisy, t, cond) -> velocity` on clean latents `x0`: a noise
+    level per sample (`flow_levels`, then `shift_sigmas`), Gaussian noise, the timestep t = sigma *
+    `num_train_timesteps` (the scale SD3's and FLUX.1's transformers take), and the squared error against
+    `flow_velocity`, weighted per sample by `flow_weight`. The noise level is drawn before the noise."""
+    sigma = shift_sigmas(flow_levels(sampling, x0.shape[0], logit_mean, logit_std, mode_scale, draws, x0.device), shift)
+    noise = draws.normal(x0.shape[0], x0.shape[1:], x0.device, x0.dtype)
+    prediction = denoiser(flow_noisy(x0, noise, sigma), sigma * num_train_timesteps, cond)
+    return diffusion_loss(prediction, flow_velocity(x0.float(), noise.float()), flow_weight(sigma, weighting))

@@ -1,5 +1,8 @@
 """The diffusion math in `ldm.diffusion` agrees with diffusers' own implementations."""
 
+import math
+
+import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
@@ -252,3 +255,147 @@ def test_the_global_draws_are_torchs_own():
              diffusion.GLOBAL_DRAWS.integers(9, 3))  # fmt: skip
     for a, b in zip(drawn, expected):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------- flow matching
+
+
+def _diffusers_training_utils():
+    """diffusers' SD3 training helpers (0.30 and later; the compat stack's 0.29 has none)."""
+    from diffusers import training_utils
+
+    if not hasattr(training_utils, "compute_density_for_timestep_sampling"):
+        pytest.skip(f"diffusers {diffusers_version()} has no compute_density_for_timestep_sampling")
+    return training_utils
+
+
+def diffusers_version() -> str:
+    import diffusers
+
+    return diffusers.__version__
+
+
+@pytest.mark.parametrize("sampling", ["logit_normal", "mode", "uniform"])
+def test_flow_levels_are_diffusers_densities_for_the_same_draws(sampling):
+    utils = _diffusers_training_utils()
+    theirs = utils.compute_density_for_timestep_sampling(
+        sampling, 4096, logit_mean=0.3, logit_std=0.8, mode_scale=1.29, generator=torch.Generator().manual_seed(5)
+    )
+    torch.manual_seed(5)
+    ours = diffusion.flow_levels(sampling, 4096, logit_mean=0.3, logit_std=0.8, mode_scale=1.29)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert 0 < float(ours.min()) and float(ours.max()) < 1
+    if sampling == "logit_normal":  # the logit is N(mean, std^2)
+        logit = (ours / (1 - ours)).log()
+        assert float(logit.mean()) == pytest.approx(0.3, abs=0.05) and float(logit.std()) == pytest.approx(
+            0.8, abs=0.05
+        )
+    if sampling == "mode":  # a positive scale favours the middle; the density is symmetric about 1/2
+        assert float(((ours - 0.5).abs() < 0.25).float().mean()) > 0.6
+        assert float(ours.mean()) == pytest.approx(0.5, abs=0.02)
+    with pytest.raises(ValueError, match="flow sampling must be one of"):
+        diffusion.flow_levels("lognormal", 2)
+
+
+@pytest.mark.parametrize("weighting", ["none", "sigma_sqrt", "cosmap"])
+def test_flow_weights_are_diffusers_sd3_weights(weighting):
+    utils = _diffusers_training_utils()
+    sigma = torch.tensor([0.02, 0.25, 0.5, 0.75, 0.999])
+    theirs = utils.compute_loss_weighting_for_sd3(weighting, sigma)
+    torch.testing.assert_close(diffusion.flow_weight(sigma, weighting), theirs.float(), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="flow weighting must be one of"):
+        diffusion.flow_weight(sigma, "snr")
+
+
+def test_shifted_sigmas_and_noisy_inputs_are_the_flow_schedulers():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3.5's training schedule
+    plain = torch.linspace(1, 1000, 1000).flip(0) / 1000
+    torch.testing.assert_close(
+        diffusion.shift_sigmas(plain, 3.0), scheduler.sigmas[:1000].float(), rtol=1e-6, atol=1e-7
+    )
+    assert torch.equal(diffusion.shift_sigmas(plain, 1.0), plain)
+
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(3, 16, 8, 8, generator=g), torch.randn(3, 16, 8, 8, generator=g)
+    index = torch.tensor([0, 400, 999])
+    # a sample at a time, each by a fresh scheduler: diffusers 0.29's scale_noise takes one timestep for the batch
+    # and keeps the step index of its first call
+    fresh = [FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0) for _ in index]
+    theirs = torch.cat([one.scale_noise(x0[i : i + 1], scheduler.timesteps[[j]], noise[i : i + 1])
+                        for i, (one, j) in enumerate(zip(fresh, index.tolist()))])  # fmt: skip
+    ours = diffusion.flow_noisy(x0, noise, scheduler.sigmas[index])
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(diffusion.flow_velocity(x0, noise), noise - x0)
+
+
+def test_the_resolution_shift_is_fluxs_mu_and_the_schedulers_time_shift():
+    pytest.importorskip("diffusers.pipelines.flux.pipeline_flux", reason="FLUX.1 arrived in diffusers 0.30")
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    for tokens in (256, 1024, 4096, 6000):
+        mu = calculate_shift(tokens)
+        assert diffusion.resolution_shift(tokens) == pytest.approx(math.exp(mu), rel=1e-12)
+        scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+        plain = np.linspace(1.0, 1 / 28, 28)
+        scheduler.set_timesteps(sigmas=plain, mu=mu)
+        ours = diffusion.shift_sigmas(torch.tensor(plain, dtype=torch.float64), diffusion.resolution_shift(tokens))
+        torch.testing.assert_close(ours.float(), scheduler.sigmas[:28].float(), rtol=1e-5, atol=1e-6)
+    assert diffusion.resolution_shift(256) == pytest.approx(math.exp(0.5)) and diffusion.resolution_shift(
+        4096
+    ) == pytest.approx(math.exp(1.15))
+
+
+@pytest.mark.parametrize(
+    "sampling,weighting", [("logit_normal", "none"), ("mode", "cosmap"), ("uniform", "sigma_sqrt")]
+)
+def test_flow_loss_is_its_formulas_computed_independently(sampling, weighting):
+    """The loss against the SD3 recipe written out in float64 from the same draws."""
+    x0 = torch.randn(5, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+    seen = {}
+
+    def denoiser(noisy, t, cond):
+        seen["noisy"], seen["t"] = noisy, t
+        return (noisy * 0.5 + cond["bias"]).float()
+
+    cond = {"bias": torch.full((5, 4, 6, 6), 0.1)}
+    torch.manual_seed(2)
+    loss = diffusion.flow_loss(denoiser, x0, cond, sampling, 0.2, 1.1, 0.8, shift=3.0, weighting=weighting)
+
+    torch.manual_seed(2)  # the same draws, in the same order: the noise level, then the noise
+    if sampling == "logit_normal":
+        u = torch.sigmoid(0.2 + 1.1 * torch.randn(5).double())
+    else:
+        u = torch.rand(5).double()
+        if sampling == "mode":
+            u = 1 - u - 0.8 * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    noise = torch.randn(5, 4, 6, 6).double()
+    sigma = 3 * u / (1 + 2 * u)
+    s = sigma.reshape(-1, 1, 1, 1)
+    noisy = (1 - s) * x0.double() + s * noise
+    weight = {"none": torch.ones_like(sigma), "sigma_sqrt": sigma**-2,
+              "cosmap": 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2))}[weighting]  # fmt: skip
+    per_sample = ((noisy * 0.5 + 0.1 - (noise - x0.double())) ** 2).flatten(1).mean(1)
+    expected = (weight * per_sample).mean()
+    torch.testing.assert_close(seen["noisy"].double(), noisy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(seen["t"].double(), sigma * 1000, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_keyed_draws_give_a_flow_sample_its_own_noise_in_any_batch():
+    keys = diffusion.sample_keys(seed=3, step=7, sample_ids=[10, 11, 12, 13])
+    x0 = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def record(noisy, t, cond):
+        seen.append((noisy, t))
+        return noisy
+
+    diffusion.flow_loss(record, x0, {}, shift=3.0, draws=diffusion.Draws(keys))
+    order = [3, 1]
+    diffusion.flow_loss(record, x0[order], {}, shift=3.0, draws=diffusion.Draws([keys[i] for i in order]))
+    (whole, t_whole), (part, t_part) = seen
+    torch.testing.assert_close(part, whole[order], rtol=0, atol=0)
+    assert torch.equal(t_part, t_whole[order])
