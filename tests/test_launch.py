@@ -1,6 +1,7 @@
 """Every rank of a run started by torchrun or SLURM agrees on the first rank's run folder, with no variable set."""
 
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -111,3 +112,9 @@ def test_runs_of_one_name_started_in_the_same_second_get_folders_of_their_own_ne
     first, second = sorted(logs.iterdir(), key=run_folder.started_order)
     assert (first.name, second.name) == ("2026-12-07T10-00-00_tiny", "2026-12-07T10-00-00.2_tiny")
     assert find_resume("auto", logs, "tiny").ckpt.name == "step-000002.ckpt", "-r auto takes the newer run"
+    other = logs / "2026-12-07T10-00-01_my_tiny"  # a newer run whose name only ends in _tiny
+    shutil.copytree(first, other)
+    assert find_resume("auto", logs, "tiny").run_dir == second, "my_tiny is not a run of tiny"
+    assert find_resume("auto", logs, "my_tiny").run_dir == other
+    assert run_folder.runs_named(logs, "tiny") == [second, first]
+    assert run_folder.runs_named(tmp_path / "none", "x") == []

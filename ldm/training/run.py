@@ -29,7 +29,7 @@ from ldm.training.checks import check_config
 from ldm.training.launch import agree_on_run_dir
 from ldm.training.report import Report, write_report
 from ldm.utils.atomic import verify
-from ldm.utils.run_folder import RUN_DIR_ENV, STARTED, make_run_dir, started_order
+from ldm.utils.run_folder import RUN_DIR_ENV, STARTED, make_run_dir, runs_named
 from ldm.weights.checkpoint import unpickled_object
 from ldm.weights.formats import CHECKPOINTS, Format, detect
 
@@ -61,7 +61,7 @@ def find_resume(resume: str, logdir: Path, name: str | None) -> Resume | None:
     if resume == "auto":
         if not name:
             raise ConfigError("-r auto needs -n NAME to know which run to continue")
-        for run_dir in sorted(logdir.glob(f"*_{name}"), key=started_order, reverse=True):
+        for run_dir in runs_named(logdir, name):
             found = _newest_intact(run_dir, "-r auto")
             if found is not None:
                 return found

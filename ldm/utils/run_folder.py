@@ -34,6 +34,15 @@ def make_run_dir(logdir: Path, name: str) -> Path:
         return run_dir
 
 
+def runs_named(logdir: Path, name: str) -> list[Path]:
+    """The run folders in `logdir` of the run name `name`, newest first: `<started>_<name>` exactly, not a run
+    whose own name only ends in `_<name>` (`my_tiny` is not a run of `tiny`)."""
+    if not logdir.is_dir():
+        return []
+    runs = [path for path in logdir.iterdir() if path.is_dir() and path.name.partition("_")[2] == name]
+    return sorted(runs, key=started_order, reverse=True)
+
+
 def started_order(run_dir: Path) -> tuple[str, int]:
     """Sort key of run folders in the order they started: the second, then the count within it (1 if none)."""
     started = run_dir.name.partition("_")[0]

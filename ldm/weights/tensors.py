@@ -4,7 +4,7 @@ the whole file in memory beside the weights it keeps.
 safetensors reads through memory maps of the file, and a page read stays resident (and counts in the process's
 RSS) while a map holding it is open: the tensors it returns are backed by the file, and its handle keeps what
 it read. `TensorFile` reopens the file after each `REOPEN_BYTES` it read, and a reader copies what it keeps
-(`tensor.to(dtype, copy=True)`): a 6.9 GB SDXL file read into bf16 then peaks at the weights kept plus about
+(`tensor.to(dtype, copy=True)`): a 6.9 GB single file read into bf16 then peaks at the weights kept plus about
 `REOPEN_BYTES`, instead of the file's size on top (measured by `benchmarks/load_memory.py`).
 """
 
