@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -41,6 +42,17 @@ def quiet() -> None:
 def peak_rss_bytes() -> int:
     """The peak resident memory of this process so far (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory now (`VmRSS`) or its peak since the last `reset_peak()` (`VmHWM`), from
+    Linux's /proc/self/status."""
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+
+
+def reset_peak() -> None:
+    """Start measuring the peak afresh (Linux: writing 5 to clear_refs resets VmHWM and ru_maxrss)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def median(values: list[float]) -> float:

@@ -30,7 +30,6 @@ Prints a table, a JSON line, and last the headline.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import GIB, REPO, parser, report  # noqa: E402
+from benchmarks.common import GIB, REPO, parser, report, reset_peak, resident_bytes  # noqa: E402
 
 PRESETS = {  # family -> the presets measured (the main stack's; the Colossal-AI ones build their model alike)
     "sd15": ["sd15-lora.yaml", "sd15-cpu-lowmem.yaml"],
@@ -54,16 +53,6 @@ CPU_RUN = [  # a step on a CPU: tiny images, one at a time, bf16 autocast (fp16 
     "lightning.trainer.accumulate_grad_batches=1",
     "lightning.trainer.precision=bf16-mixed",
 ]
-
-
-def rss(field: str = "VmRSS") -> int:
-    """This process's resident memory now (VmRSS) or its peak since the last reset (VmHWM), in bytes."""
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
-
-
-def reset_peak() -> None:
-    """Start the peak afresh (Linux: writing 5 to clear_refs resets VmHWM)."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def kept_bytes(model) -> int:
@@ -109,13 +98,13 @@ def child_load(preset: str, file: str) -> dict:
 
     cfg = OmegaConf.load(REPO / "configs" / "finetune" / preset)
     cfg.model.params.pretrained = file
-    base = rss()
+    base = resident_bytes()
     reset_peak()
     start = time.perf_counter()
     model = instantiate(cfg.model, "model", REJECTIONS)
     model.configure_model()
     seconds = time.perf_counter() - start
-    return {"peak": rss("VmHWM") - base, "kept": kept_bytes(model), "seconds": seconds}
+    return {"peak": resident_bytes("VmHWM") - base, "kept": kept_bytes(model), "seconds": seconds}
 
 
 def child_before(preset: str, file: str) -> dict:
@@ -126,32 +115,33 @@ def child_before(preset: str, file: str) -> dict:
 
     params = OmegaConf.load(REPO / "configs" / "finetune" / preset).model.params
     trained = params.get("lora") is None and "unet" in params.get("trainable", ["unet"])
-    dtype_of = {"unet": params.get("trainable_dtype") if trained else params.get("frozen_dtype")}
-    base = rss()
+    unet_dtype = params.get("trainable_dtype") if trained else params.get("frozen_dtype")
+    base = resident_bytes()
     reset_peak()
     start = time.perf_counter()
     state = load_file(file)
     state = {k: v.to(torch.float32) for k, v in state.items()}
     kept = {}
     for key in list(state):
-        name = dtype_of["unet"] if key.startswith("model.diffusion_model.") else params.get("frozen_dtype")
+        name = unet_dtype if key.startswith("model.diffusion_model.") else params.get("frozen_dtype")
         kept[key] = state.pop(key).to(getattr(torch, name or "float32"))
     seconds = time.perf_counter() - start
-    return {"peak": rss("VmHWM") - base, "kept": sum(t.nbytes for t in kept.values()), "seconds": seconds}
+    return {"peak": resident_bytes("VmHWM") - base, "kept": sum(t.nbytes for t in kept.values()), "seconds": seconds}
 
 
 def child_run(preset: str, file: str, images: str, logdir: str) -> dict:
     """`main.py -t` for one step on the CPU, in this process; its whole peak above the imports."""
     from ldm.cli.train import main
 
-    base = rss()
+    base = resident_bytes()
     reset_peak()
     start = time.perf_counter()
     args = ["-t", "-b", str(REPO / "configs" / "finetune" / preset), "-l", logdir, "-n", "ram"]
     code = main([*args, f"model.params.pretrained={file}", f"data.params.root={images}", *CPU_RUN])
     if code != 0:
         raise SystemExit(f"main.py -t exited {code}")
-    return {"peak": rss("VmHWM") - base, "process_peak": rss("VmHWM"), "seconds": time.perf_counter() - start}
+    peak = resident_bytes("VmHWM")
+    return {"peak": peak - base, "process_peak": peak, "seconds": time.perf_counter() - start}
 
 
 def child(argv: list[str]) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -39,23 +38,12 @@ import lightning.pytorch as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import GIB, REPO, parser, peak_rss_bytes, quiet, report  # noqa: E402
+from benchmarks.common import GIB, REPO, parser, peak_rss_bytes, quiet, report, reset_peak, resident_bytes  # noqa: E402
 
 SD_FOLDER = REPO / "configs" / "finetune" / "sd-folder.yaml"
 LOW_MEMORY = REPO / "configs" / "finetune" / "sd15-cpu-lowmem.yaml"
 TARGET = 1 / 3  # issue 6: the step in at most a third of the plain peak
 TOLERANCE = 0.10  # ours' mean loss over the last quarter of the tiny run, relative to AdamW's
-
-
-def step_peak_bytes() -> int:
-    """The peak resident memory of this process since the last `reset_step_peak()` (Linux's VmHWM)."""
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status)[1]) * 1024
-
-
-def reset_step_peak() -> None:
-    """Start measuring the peak afresh (Linux: writing 5 to clear_refs resets VmHWM and ru_maxrss)."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 class StepPeak(pl.Callback):
@@ -66,11 +54,11 @@ class StepPeak(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.setup_peak = peak_rss_bytes()
-        reset_step_peak()
+        reset_peak()
         self.times = [time.perf_counter()]
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:  # before the checkpoint callback saves
-        self.peaks.append(step_peak_bytes())
+        self.peaks.append(resident_bytes("VmHWM"))
         self.times.append(time.perf_counter())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,9 +90,13 @@ def run_plain(sd: Path, images: Path, size: int, steps: int) -> dict:
     parts = load_plain_parts(str(sd))
     dataset = FolderDataset(images, size=size)
     setup_peak = peak_rss_bytes()
-    reset_step_peak()
+    reset_peak()
     peaks = []
-    run = plain_train(parts, dataset, 1, steps, learning_rate=1e-5, on_step=lambda *_: peaks.append(step_peak_bytes()))
+
+    def record(*_) -> None:
+        peaks.append(resident_bytes("VmHWM"))
+
+    run = plain_train(parts, dataset, 1, steps, learning_rate=1e-5, on_step=record)
     seconds = [b - a for a, b in zip([0.0, *run.seconds], run.seconds)]
     return {"setup_peak": setup_peak, "step_peaks": peaks, "seconds": seconds}
 

@@ -334,10 +334,9 @@ def extras_from_file(path: str | Path, parts: Parts, ema: bool = False) -> Extra
 def _tensors_of(path: Path) -> Iterator[tuple[list[str] | None, Callable[[str], torch.Tensor]]]:
     """(keys, key -> tensor) of a single file: lazily from safetensors; (None, ...) for one of our checkpoints."""
     if path.suffix == ".safetensors":
-        from safetensors.torch import safe_open
-
-        with safe_open(str(path), "pt") as handle:
-            yield list(handle.keys()), handle.get_tensor
+        tensors = TensorFile(path)
+        yield list(tensors), tensors.__getitem__
+        tensors.close()
         return
     obj = load_pickle(path)
     if is_our_checkpoint(obj):
