@@ -120,7 +120,9 @@ def test_a_run_is_planned_started_watched_reported_and_sampled_in_the_browser(ap
     # a path outside the chosen folders is refused by the server, naming the field
     fill("weights", "/etc")
     browser.find_element(By.ID, "plan").click()
-    toast = _wait(lambda: [t.text for t in browser.find_elements(By.CSS_SELECTOR, ".toast-body")], 30, "an error")
+    # the toast's element may show before its text does: wait for the text
+    toast = _wait(lambda: [t.text for t in browser.find_elements(By.CSS_SELECTOR, ".toast-body") if t.text], 30,
+                  "an error")  # fmt: skip
     assert any("weights: /etc is outside the folders this app may use" in text for text in toast), toast
 
     fill("weights", str(folder / "tiny-sd"))
