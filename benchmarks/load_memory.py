@@ -74,9 +74,9 @@ def child_write(family_name: str, path: str) -> None:
     import torch
 
     from ldm.components.build import module_from_config
-    from ldm.components.describe import parts_from_description
-    from ldm.components.families import FAMILIES, family_description
+    from ldm.components.describe import family_description, parts_from_description
     from ldm.config import import_target
+    from ldm.families import FAMILIES
     from ldm.weights.single_file import save_single_file
 
     described = family_description(FAMILIES[family_name])

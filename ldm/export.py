@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+import diffusers
 
+from ldm.families import ARCHITECTURES
 from ldm.pipelines.microdit import MicroDiTPipeline
 from ldm.sampling import build_pipeline, inference_scheduler
 from ldm.weights.checkpoint import load_checkpoint
@@ -16,9 +17,7 @@ from ldm.weights.read import parts_from_checkpoint, read_parts
 from ldm.weights.single_file import save_single_file
 
 
-def load_pipeline(
-    path: str | Path, sampler: str = "ddim", ema: bool = False
-) -> StableDiffusionPipeline | StableDiffusionXLPipeline | MicroDiTPipeline:
+def load_pipeline(path: str | Path, sampler: str = "ddim", ema: bool = False) -> diffusers.DiffusionPipeline:
     """A pipeline from one of our checkpoints, an original single file, or a diffusers folder."""
     path = Path(path)
     if detect(path) is Format.DIFFUSERS:
@@ -27,10 +26,11 @@ def load_pipeline(
         kind = json.loads((path / "model_index.json").read_text()).get("_class_name")
         if kind == MicroDiTPipeline.__name__:
             pipe = MicroDiTPipeline.from_pretrained(path, local_files_only=True)
-        elif kind == StableDiffusionXLPipeline.__name__:
-            pipe = StableDiffusionXLPipeline.from_pretrained(path, local_files_only=True, add_watermarker=False)
-        else:
-            pipe = StableDiffusionPipeline.from_pretrained(path, local_files_only=True, safety_checker=None)
+        else:  # the family's pipeline; the first family's where the folder names none of them
+            first = next(iter(ARCHITECTURES.values()))
+            family = next((a for a in ARCHITECTURES.values() if a.pipeline_class == kind), first)
+            cls = getattr(diffusers, family.pipeline_class)
+            pipe = cls.from_pretrained(path, local_files_only=True, **family.pipeline_options)
         pipe.scheduler = inference_scheduler(pipe.scheduler, sampler)
         return pipe
     return build_pipeline(read_parts(path, ema=ema), sampler)

@@ -1,16 +1,17 @@
-"""Sample from parts through a diffusers pipeline (`StableDiffusionPipeline` for a UNet,
-`StableDiffusionXLPipeline` for SDXL's, our `MicroDiTPipeline` for a MicroDiT), and lay images out in grids."""
+"""Sample from parts through a diffusers pipeline (the family's for a UNet, `ldm.families`; our `MicroDiTPipeline`
+for a MicroDiT), and lay images out in grids."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import DiffusionPipeline, UNet2DConditionModel
 from PIL import Image, ImageDraw
 
 from ldm.backbones.microdit import MicroDiT
 from ldm.components import Parts
+from ldm.families import architecture_of
 from ldm.pipelines.microdit import MicroDiTPipeline
 
 SAMPLERS = {
@@ -56,22 +57,15 @@ def check_samplable(parts: Parts) -> None:
         )
 
 
-def build_pipeline(
-    parts: Parts, sampler: str = "ddim"
-) -> StableDiffusionPipeline | StableDiffusionXLPipeline | MicroDiTPipeline:
-    """The pipeline of `parts` (shared, not copied): a `StableDiffusionPipeline` without a safety checker, a
-    `StableDiffusionXLPipeline` without a watermarker for SDXL's parts, or a `MicroDiTPipeline` with an EDM
-    scheduler."""
+def build_pipeline(parts: Parts, sampler: str = "ddim") -> DiffusionPipeline:
+    """The pipeline of `parts` (shared, not copied): a UNet's family's diffusers pipeline (without a safety
+    checker or watermarker), or a `MicroDiTPipeline` with an EDM scheduler."""
     check_samplable(parts)
-    shared = {"vae": parts.vae, "text_encoder": parts.text_encoder, "tokenizer": parts.tokenizer,
-              "scheduler": inference_scheduler(parts.scheduler, sampler)}  # fmt: skip
+    scheduler = inference_scheduler(parts.scheduler, sampler)
     if isinstance(parts.unet, MicroDiT):
-        return MicroDiTPipeline(transformer=parts.unet, **shared)
-    if "text_encoder_2" in parts:
-        return StableDiffusionXLPipeline(unet=parts.unet, text_encoder_2=parts.text_encoder_2,
-                                         tokenizer_2=parts.tokenizer_2, add_watermarker=False, **shared)  # fmt: skip
-    return StableDiffusionPipeline(unet=parts.unet, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False, **shared)  # fmt: skip
+        return MicroDiTPipeline(transformer=parts.unet, vae=parts.vae, text_encoder=parts.text_encoder,
+                                tokenizer=parts.tokenizer, scheduler=scheduler)  # fmt: skip
+    return architecture_of(parts).pipeline(parts, scheduler)
 
 
 def image_grid(images: list[Image.Image], rows: int, labels: list[str] | None = None) -> Image.Image:
@@ -94,7 +88,7 @@ def image_grid(images: list[Image.Image], rows: int, labels: list[str] | None = 
 
 @torch.no_grad()
 def sample(
-    pipe: StableDiffusionPipeline,
+    pipe: DiffusionPipeline,
     prompts: list[str],
     num_per_prompt: int = 1,
     steps: int = 25,
@@ -108,7 +102,7 @@ def sample(
 
     `stop` is asked after every denoising step; when it returns True, `SamplingStopped` is raised."""
 
-    def check_stop(pipe: StableDiffusionPipeline, step: int, timestep: int, tensors: dict) -> dict:
+    def check_stop(pipe: DiffusionPipeline, step: int, timestep: int, tensors: dict) -> dict:
         if stop is not None and stop():
             raise SamplingStopped(f"stopped at denoising step {step + 1} of {steps}")
         return tensors

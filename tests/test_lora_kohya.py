@@ -15,8 +15,9 @@ from transformers import CLIPTextConfig, CLIPTextModel
 
 from ldm.components import Parts
 from ldm.components.lora import add_lora, lora_layers, merged
-from ldm.components.lora_keys import KOHYA_PREFIXES, kohya_name, kohya_names, kohya_state_dict
+from ldm.components.lora_keys import kohya_name, kohya_names, kohya_state_dict
 from ldm.config import ConfigError
+from ldm.families.sd import KOHYA_PREFIXES
 from ldm.weights.checkpoint import load_checkpoint
 from ldm.weights.lora_file import LORA_FILE, kohya_metadata
 from ldm.weights.read import parts_from_checkpoint, read_parts

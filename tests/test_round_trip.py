@@ -14,11 +14,12 @@ from safetensors.torch import load_file, safe_open, save_file
 
 from ldm.components import Parts
 from ldm.components.build import build_parts
-from ldm.components.describe import describe_parts, parts_from_description
-from ldm.components.families import CONFIGS, FAMILIES, family_description
+from ldm.components.describe import describe_parts, family_description, parts_from_description
 from ldm.export import convert
+from ldm.families import CONFIGS, FAMILIES
+from ldm.families.sd import OPEN_CLIP
 from ldm.weights.extras import EXTRAS_FILE, extras_of
-from ldm.weights.keymaps import OPEN_CLIP, UNET, ema_name
+from ldm.weights.keymaps import UNET, ema_name
 from ldm.weights.read import read_parts, with_base_extras
 from ldm.weights.single_file import (
     MODELSPEC_ARCHITECTURES,

@@ -10,12 +10,12 @@ import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
 
-from ldm.components.conditioning import CONDITIONINGS, conditioning_for, sdxl_time_ids
-from ldm.components.describe import parts_from_description
-from ldm.components.families import FAMILIES, family_description, family_of
+from ldm.components.describe import family_description, parts_from_description
 from ldm.components.lora_keys import lora_modules
 from ldm.config import ConfigError
 from ldm.export import export_pipeline, load_pipeline
+from ldm.families import CONDITIONINGS, FAMILIES, conditioning_for, family_of
+from ldm.families.sdxl import sdxl_time_ids
 from ldm.sampling import build_pipeline, sample
 from ldm.weights.checkpoint import load_checkpoint
 from ldm.weights.read import parts_from_checkpoint, read_parts

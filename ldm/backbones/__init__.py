@@ -1,8 +1,8 @@
 """Denoisers behind one call: `denoiser(noisy, t, cond) -> prediction`.
 
 `cond` is a mapping of conditioning tensors: `encoder_hidden_states` (the caption tokens) and, for
-models that take them, `text_embeds` (a pooled embedding) and `time_ids` (SDXL's size and crop
-conditioning). A diffusers `UNet2DConditionModel` is adapted to the call by `ldm.backbones.unet`;
+models that take them, `text_embeds` (a pooled embedding) and `time_ids` (a family's size and
+crop conditioning). A diffusers `UNet2DConditionModel` is adapted to the call by `ldm.backbones.unet`;
 any other network is expected to take the call as its `forward(noisy, t, cond)`.
 """
 

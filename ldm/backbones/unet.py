@@ -1,4 +1,4 @@
-"""The diffusers `UNet2DConditionModel` (SD 1.x / 2.x, and SDXL with its added conditioning) as a denoiser."""
+"""The diffusers `UNet2DConditionModel` (with its added conditioning, where a family has it) as a denoiser."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from diffusers import UNet2DConditionModel
 
-ADDED = ("text_embeds", "time_ids")  # SDXL's pooled text embedding and size / crop ids
+ADDED = ("text_embeds", "time_ids")  # the UNet's `added_cond_kwargs`: a pooled text embedding, size / crop ids
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ import argparse
 import sys
 
 from ldm.cli import console
-from ldm.components.families import FAMILIES
 from ldm.export import convert
+from ldm.families import FAMILIES
 
 
 def main(argv: list[str] | None = None) -> None:

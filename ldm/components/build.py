@@ -20,38 +20,15 @@ import torch
 from ldm.components import Parts
 from ldm.components.tokenizers import write_clip_tokenizer
 from ldm.config import ConfigError, ExistingPath, import_target
-
-# The parts of a Stable Diffusion 1.x / 2.x model, as `model.params` and a diffusers folder name them.
-NETWORK_PARTS = ("unet", "vae", "text_encoder")
-PART_NAMES = (*NETWORK_PARTS, "tokenizer", "scheduler")
-# Parts a family may add (SDXL's second text encoder): built where a spec gives them or a diffusers folder has them.
-OPTIONAL_PARTS = ("text_encoder_2", "tokenizer_2")
-
-# Diffusers pipelines of models that are not trained here, by what they are.
-OTHER_PIPELINES = {
-    "StableDiffusionXLImg2ImgPipeline": "the SDXL refiner (an image-to-image model)",
-    "StableDiffusionXLInpaintPipeline": "an SDXL inpainting model",
-    "StableDiffusionInpaintPipeline": "an inpainting model",
-    "StableDiffusion3Pipeline": "Stable Diffusion 3 (an MMDiT)",
-    "FluxPipeline": "Flux",
-}
-
-DEFAULT_CLASSES = {
-    "unet": "diffusers.UNet2DConditionModel",
-    "vae": "diffusers.AutoencoderKL",
-    "text_encoder": "transformers.CLIPTextModel",
-    "tokenizer": "transformers.CLIPTokenizer",
-    "scheduler": "diffusers.DDPMScheduler",
-    "text_encoder_2": "transformers.CLIPTextModelWithProjection",
-    "tokenizer_2": "transformers.CLIPTokenizer",
-}
+from ldm.families import DEFAULT_CLASSES, OPTIONAL_PARTS, PART_NAMES, SUPPORTED, refused_pipeline
 
 
 class PartSpec(TypedDict, total=False):
     """How to get one part: from a local folder (`pretrained`, `subfolder`) or a `config` dict.
 
     `target` names the class when it is not the part's default. A tokenizer's `config` is
-    `{vocab: clip, model_max_length: N, pad_token: T}`: the real CLIP tokenizer, written offline (SD 2.x pads with "!").
+    `{vocab: clip, model_max_length: N, pad_token: T}`: the real CLIP tokenizer, written offline (OpenCLIP's pads
+    with "!").
     """
 
     target: str
@@ -84,17 +61,14 @@ def build_parts(
 
 def folder_parts(pretrained: str | None, key: str = "model.params.pretrained") -> set[str]:
     """The parts a diffusers folder's `model_index.json` lists (with a class, not null); none without one. A
-    pipeline of a model ldm does not train (`OTHER_PIPELINES`) is refused by name, naming `key`."""
+    pipeline of a model ldm does not train (`ldm.families.refused_pipeline`) is refused by name, naming `key`."""
     index = Path(pretrained).expanduser() / "model_index.json" if pretrained is not None else None
     if index is None or not index.is_file():
         return set()
     listed = json.loads(index.read_text())
-    other = OTHER_PIPELINES.get(listed.get("_class_name"))
+    other = refused_pipeline(listed.get("_class_name"))
     if other is not None:
-        raise ConfigError(
-            f"{key}: {pretrained} is {other} ({listed['_class_name']}); ldm trains Stable Diffusion 1.x, 2.x and "
-            "SDXL base text-to-image models"
-        )
+        raise ConfigError(f"{key}: {pretrained} is {other} ({listed['_class_name']}); {SUPPORTED}")
     return {name for name, entry in listed.items() if isinstance(entry, list) and entry[-1] is not None}
 
 

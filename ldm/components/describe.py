@@ -7,6 +7,7 @@ sampling and export never need the training config again.
 from __future__ import annotations
 
 import importlib
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ from transformers import PreTrainedTokenizerBase
 
 from ldm.components import Parts
 from ldm.components.build import module_from_config
-from ldm.components.tokenizers import tokenizer_files, write_slow_tokenizer_files
+from ldm.components.tokenizers import tokenizer_files, write_clip_tokenizer, write_slow_tokenizer_files
 from ldm.config import import_target
+from ldm.families import DEFAULT_CLASSES, Family
 
 
 def describe_parts(parts: Parts) -> dict:
@@ -82,3 +84,18 @@ def parts_from_description(described: dict) -> Parts:
             with init_empty_weights():
                 built[name] = module_from_config(cls, entry["config"])
     return built
+
+
+def family_description(family: Family) -> dict:
+    """A family's parts in `describe_parts` form, from the configs shipped in `configs/models/<family>/`."""
+    described = {}
+    for name in family.networks:
+        config = json.loads((family.network_folder / name / "config.json").read_text())
+        described[name] = {"class": DEFAULT_CLASSES[name], "config": config}
+    scheduler = json.loads((family.folder / "scheduler" / "scheduler_config.json").read_text())
+    described["scheduler"] = {"class": f"diffusers.{scheduler['_class_name']}", "config": scheduler}
+    for name, pad in (("tokenizer", family.pad_token), ("tokenizer_2", family.pad_token_2)):
+        if pad is not None:
+            files = tokenizer_files(lambda folder, pad=pad: write_clip_tokenizer(folder, pad_token=pad))
+            described[name] = {"class": DEFAULT_CLASSES[name], "files": files}
+    return described

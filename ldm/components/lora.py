@@ -22,9 +22,9 @@ from ldm.config import ConfigError, ExistingPath
 DEFAULT_TARGETS = {
     "unet": ["to_q", "to_k", "to_v", "to_out.0"],  # the attention projections of every transformer block
     "text_encoder": ["q_proj", "k_proj", "v_proj", "out_proj"],
-    "text_encoder_2": ["q_proj", "k_proj", "v_proj", "out_proj"],  # SDXL's second
+    "text_encoder_2": ["q_proj", "k_proj", "v_proj", "out_proj"],  # a family's second
 }
-TARGETS_KEY = {  # in LoraSpec; SDXL's two text encoders share theirs
+TARGETS_KEY = {  # in LoraSpec; a family's two text encoders share theirs
     "unet": "target_modules",
     "text_encoder": "text_encoder_target_modules",
     "text_encoder_2": "text_encoder_target_modules",

@@ -2,9 +2,9 @@
 
 kohya's format (sd-scripts; what ComfyUI and AUTOMATIC1111 read) names a module `lora_unet_<path>` or
 `lora_te_<path>`: its module path in the diffusers UNet / transformers CLIP text encoder with `.` as
-`_`, the text encoder's always under `text_model.` (transformers 5 names it without that level). SDXL
-files name the text encoders `lora_te1_` and `lora_te2_`, and the UNet's modules by their original paths
-(`lora_unet_input_blocks_4_1_...`, `ldm.components.unet_layout`), as sd-scripts' SDXL UNet has them. Each
+`_`, the text encoder's always under `text_model.` (transformers 5 names it without that level). A family
+may name its text encoders otherwise (`lora_te1_`, `lora_te2_`) and its UNet's modules by their original paths
+(`lora_unet_input_blocks_4_1_...`, `ldm.components.unet_layout`): its `Architecture` says (`ldm.families`). Each
 module has `<name>.lora_down.weight` (A: rank x in), `<name>.lora_up.weight` (B: out x rank) and
 `<name>.alpha` (a 0-dim tensor): the adapted weight is W + up @ down * alpha / rank. Conv layers keep
 their shapes (down: rank x in x kh x kw, up: out x rank x 1 x 1), as peft's are.
@@ -22,9 +22,8 @@ import torch
 
 from ldm.components import Parts
 from ldm.components.unet_layout import original_unet_name
+from ldm.families import ARCHITECTURES, architecture_of
 
-KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
-SDXL_KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 KOHYA_LEVELS = {"unet": "", "text_encoder": "text_model.", "text_encoder_2": "text_model."}  # kohya paths have it
 KOHYA_SUFFIXES = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
 DIFFUSERS_SUFFIXES = {
@@ -53,31 +52,36 @@ class Adapter:
         return self.down.shape[0]
 
 
-def kohya_prefixes(parts: Parts) -> dict[str, str]:
-    """The kohya name prefix of each adaptable part: SDXL's (`lora_te1_`, `lora_te2_`) for parts with a second
-    text encoder, else SD 1.x / 2.x's."""
-    return SDXL_KOHYA_PREFIXES if "text_encoder_2" in parts else KOHYA_PREFIXES
+def kohya_naming(parts: Parts) -> tuple[dict[str, str], dict | None]:
+    """How kohya names the modules of `parts`: the name prefix of each adaptable part, and the UNet's config
+    where the family names its UNet's modules by their original paths (else None)."""
+    architecture = architecture_of(parts)
+    original_unet = dict(parts["unet"].config) if architecture.kohya_original_unet else None
+    return dict(architecture.kohya_prefixes), original_unet
 
 
-def kohya_name(part: str, path: str, sdxl_unet: dict | None = None) -> str:
-    """kohya's name for the module at `path` in `part` (`lora_unet_...`, `lora_te_text_model_...`); an SDXL
-    file's (`lora_te1_`, `lora_te2_`, the UNet's by its original path) when given the SDXL UNet's config."""
+def kohya_name(part: str, path: str, prefixes: dict[str, str] | None = None, original_unet: dict | None = None) -> str:
+    """kohya's name for the module at `path` in `part` (`lora_unet_...`, `lora_te_text_model_...`) under the
+    family's `prefixes` (by default the first family's); the UNet's by its original path where `original_unet`,
+    the UNet's config, is given."""
+    prefixes = prefixes or next(iter(ARCHITECTURES.values())).kohya_prefixes
     level = KOHYA_LEVELS[part]
-    if sdxl_unet is None:
-        return KOHYA_PREFIXES[part] + (level + path.removeprefix(level)).replace(".", "_")
-    if part == "unet":
-        path = original_unet_name(path + ".weight", sdxl_unet).removesuffix(".weight")
-    return SDXL_KOHYA_PREFIXES[part] + (level + path.removeprefix(level)).replace(".", "_")
+    if part == "unet" and original_unet is not None:
+        path = original_unet_name(path + ".weight", original_unet).removesuffix(".weight")
+    return prefixes[part] + (level + path.removeprefix(level)).replace(".", "_")
 
 
-def kohya_names(part: str, module: torch.nn.Module, sdxl_unet: dict | None = None) -> dict[str, str]:
-    """Every submodule of `part` (with weights, for an SDXL UNet) by its kohya name: {kohya name: module path}."""
-    if sdxl_unet is None or part != "unet":
-        return {kohya_name(part, path, sdxl_unet): path for path, _ in module.named_modules() if path}
+def kohya_names(
+    part: str, module: torch.nn.Module, prefixes: dict[str, str] | None = None, original_unet: dict | None = None
+) -> dict[str, str]:
+    """Every submodule of `part` (with weights, for a UNet named by original paths) by its kohya name:
+    {kohya name: module path}."""
+    if original_unet is None or part != "unet":
+        return {kohya_name(part, path, prefixes, original_unet): path for path, _ in module.named_modules() if path}
     return {
-        kohya_name(part, path, sdxl_unet): path
+        kohya_name(part, path, prefixes, original_unet): path
         for path, layer in module.named_modules()
-        if path and isinstance(getattr(layer, "weight", None), torch.Tensor) and _has_original_name(path, sdxl_unet)
+        if path and isinstance(getattr(layer, "weight", None), torch.Tensor) and _has_original_name(path, original_unet)
     }
 
 
@@ -89,11 +93,6 @@ def _has_original_name(path: str, config: dict) -> bool:
     return True
 
 
-def sdxl_unet_config(parts: Parts) -> dict | None:
-    """The UNet's config where the parts are SDXL's (kohya names its UNet modules by their original paths)."""
-    return dict(parts["unet"].config) if "text_encoder_2" in parts else None
-
-
 def lora_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The peft LoRA layers of `module` by their module path (the path of the layer they adapt)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -103,12 +102,13 @@ def lora_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def kohya_state_dict(parts: Parts) -> dict[str, torch.Tensor]:
     """The parts' adapters in kohya's format: down = A, up = B (unscaled), alpha as a 0-dim tensor."""
-    state, sdxl_unet = {}, sdxl_unet_config(parts)
+    state = {}
+    prefixes, original_unet = kohya_naming(parts)
     for part, module in parts.networks.items():
         for path, layer in lora_modules(module).items():
-            if part not in kohya_prefixes(parts):
+            if part not in prefixes:
                 raise ValueError(f"the {part} has LoRA adapters; kohya files hold the UNet's and text encoders' only")
-            name = kohya_name(part, path, sdxl_unet)
+            name = kohya_name(part, path, prefixes, original_unet)
             for adapter in layer.lora_A:
                 down = layer.lora_A[adapter].weight.detach().float()
                 state[f"{name}.lora_down.weight"] = down.clone().contiguous()
@@ -131,9 +131,12 @@ def read_adapters(path: str | Path, parts: Parts, where: str) -> dict[str, dict[
     state = load_file(str(path))
     if not state:
         raise ValueError(f"{where}: {path}: holds no tensors")
-    prefixes, sdxl_unet = kohya_prefixes(parts), sdxl_unet_config(parts)
-    kohya = any(k.startswith((*KOHYA_PREFIXES.values(), *SDXL_KOHYA_PREFIXES.values())) for k in state)
-    names = {part: _module_names(part, parts[part], kohya, sdxl_unet) for part in prefixes if part in parts}
+    prefixes, original_unet = kohya_naming(parts)
+    every = tuple(prefix for a in ARCHITECTURES.values() for prefix in a.kohya_prefixes.values())
+    kohya = any(k.startswith(every) for k in state)
+    names = {
+        part: _module_names(part, parts[part], kohya, prefixes, original_unet) for part in prefixes if part in parts
+    }
     found: dict[tuple[str, str], dict] = {}
     for key, tensor in state.items():
         if kohya:
@@ -151,11 +154,13 @@ def read_adapters(path: str | Path, parts: Parts, where: str) -> dict[str, dict[
     return adapters
 
 
-def _module_names(part: str, module: torch.nn.Module, kohya: bool, sdxl_unet: dict | None) -> dict[str, str]:
+def _module_names(
+    part: str, module: torch.nn.Module, kohya: bool, prefixes: dict[str, str], original_unet: dict | None
+) -> dict[str, str]:
     """{a file's name for a module: its path in `module`}: kohya names, or diffusers' `part.path` in both
     text encoder layouts."""
     if kohya:
-        return kohya_names(part, module, sdxl_unet)
+        return kohya_names(part, module, prefixes, original_unet)
     level, names = KOHYA_LEVELS[part], {}
     for path, _ in module.named_modules():
         for spelling in {path, path.removeprefix(level), level + path.removeprefix(level)} if path else ():
@@ -174,7 +179,11 @@ def _kohya_key(
         )
     part = next((p for p, prefix in prefixes.items() if name.startswith(prefix)), None)
     if part is None or part not in names:
-        other = "SD 1.x / 2.x files' lora_te_" if "text_encoder_2" in prefixes else "SDXL files' lora_te1_ / lora_te2_"
+        other = " / ".join(
+            f"{a.title} files' {' / '.join(p for p in a.kohya_prefixes.values() if p not in prefixes.values())}"
+            for a in ARCHITECTURES.values()
+            if set(a.kohya_prefixes.values()) - set(prefixes.values())
+        )
         raise ValueError(
             f"{where}: key {key!r} names no part of this model: its kohya names start with "
             f"{' or '.join(prefixes.values())} ({other} are for another model)"

@@ -1,6 +1,6 @@
-"""Offline construction of the Stable Diffusion 1.x CLIP tokenizer files.
+"""Offline construction of the CLIP tokenizer files.
 
-The SD 1.x text encoder uses the openai/clip-vit-large-patch14 tokenizer. Its BPE merges ship
+OpenAI CLIP's text encoders use the openai/clip-vit-large-patch14 tokenizer. Its BPE merges ship
 inside the ``open_clip_torch`` package, so the Hugging Face tokenizer folder can be rebuilt
 without any access to a model hub.
 """
@@ -82,11 +82,11 @@ def _write_json(path: Path, data: object) -> None:
 
 
 def write_clip_tokenizer(out_dir: str | Path, model_max_length: int = 77, pad_token: str = EOS_TOKEN) -> None:
-    """Write the SD 1.x CLIPTokenizer files (slow vocab/merges and fast tokenizer.json) offline.
+    """Write the CLIPTokenizer files (slow vocab/merges and fast tokenizer.json) offline.
 
     Files written into out_dir: vocab.json, merges.txt, special_tokens_map.json,
-    tokenizer_config.json and tokenizer.json, matching openai/clip-vit-large-patch14. SD 2.x uses
-    the same vocabulary and pads with "!" (`pad_token="!"`).
+    tokenizer_config.json and tokenizer.json, matching openai/clip-vit-large-patch14. OpenCLIP's
+    encoders use the same vocabulary and pad with "!" (`pad_token="!"`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """A diffusers UNet's weights by their names in the original (CompVis / Stability) layout, from its config.
 
-SD 1.x / 2.x and SDXL single files name the UNet this way (`input_blocks.4.1.transformer_blocks.0.attn1.to_q`
-for diffusers' `down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`), and so do kohya's SDXL LoRA files.
+The single files of every UNet family name the UNet this way (`input_blocks.4.1.transformer_blocks.0.attn1.to_q`
+for diffusers' `down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`), and so do the kohya LoRA files of
+families whose `Architecture.kohya_original_unet` says so (`ldm.families`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ UNET_TOP = {
     "conv_in": "input_blocks.0.0",
     "conv_norm_out": "out.0",
     "conv_out": "out.2",
-    "add_embedding.linear_1": "label_emb.0.0",  # SDXL's pooled text and size ids
+    "add_embedding.linear_1": "label_emb.0.0",  # the added conditioning (pooled text, size ids)
     "add_embedding.linear_2": "label_emb.0.2",
 }
 UNET_RESNET = {

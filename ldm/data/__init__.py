@@ -21,7 +21,7 @@ from ldm.data.buckets import BucketBatchSampler
 from ldm.utils import stacked_pairs
 
 log = logging.getLogger(__name__)
-SIZE_KEYS = {"original_size", "crop_top_left"}  # what an image's size conditioning is made of (SDXL), kept by caches
+SIZE_KEYS = {"original_size", "crop_top_left"}  # what an image's size conditioning is made of, kept by caches
 
 
 class ResumableSampler(Sampler):

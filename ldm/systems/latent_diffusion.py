@@ -19,10 +19,10 @@ import torch
 from ldm import diffusion
 from ldm.backbones import as_denoiser
 from ldm.components import Parts, vae_downscale
-from ldm.components.conditioning import CONDITIONINGS, conditioning_for
 from ldm.components.describe import describe_parts
 from ldm.components.lora import is_lora_key
 from ldm.config import ConfigError, import_target
+from ldm.families import CONDITIONINGS, conditioning_for
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class LatentDiffusion(pl.LightningModule):
     `parts` are the built parts, or a function that builds them: Lightning calls `configure_model`
     inside `fit`, so weights then load once the Trainer and its strategy exist. Each network becomes
     a submodule under its part name (`unet.…`, `vae.…` in the state dict); `denoiser` names the part
-    that denoises, `conditioning` how captions become its conditioning (`ldm.components.conditioning`;
+    that denoises, `conditioning` how captions become its conditioning (`ldm.families.CONDITIONINGS`;
     by default the one the parts have).
     `trainable` parts train; the others stay frozen, in eval mode. `lora` is the adapter spec the
     parts were given, if any: checkpoints then hold the adapters only. `frozen_device: cpu` keeps the frozen
@@ -232,13 +232,13 @@ class LatentDiffusion(pl.LightningModule):
 
     @property
     def text_parts(self) -> tuple[str, ...]:
-        """The parts that encode captions (`ldm.components.conditioning`)."""
+        """The parts that encode captions (`ldm.families.CONDITIONINGS`)."""
         self.configure_model()
         return CONDITIONINGS[self.conditioning].text_parts
 
     def encode_text(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
         """Captions to the denoiser's conditioning mapping, by the system's `conditioning`
-        (`ldm.components.conditioning`); with gradients when a text part trains."""
+        (`ldm.families.CONDITIONINGS`); with gradients when a text part trains."""
         trains = any(name in self.trainable for name in self.text_parts)
         parts = self.parts
         encoder = next(part for name in self.text_parts if isinstance(part := parts[name], torch.nn.Module))
@@ -248,7 +248,7 @@ class LatentDiffusion(pl.LightningModule):
         return {k: v.to(self.device) for k, v in cond.items()}
 
     def encode_image_sizes(self, batch: dict, latents: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The batch's per-image conditioning, for families that have it (SDXL's size and crop ids), at the
+        """The batch's per-image conditioning, for families that have it (size and crop ids), at the
         image size its `latents` decode to; none for the others."""
         image = CONDITIONINGS[self.conditioning].image
         if image is None:

@@ -13,15 +13,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ldm.components.families import FAMILIES
 from ldm.config import ConfigError, Problems
+from ldm.families import COMPVIS_TEXT_ENCODERS as TEXT_ENCODERS
 
 UNETS = ("ldm.modules.diffusionmodules.openaimodel.UNetModel",)
 VAES = ("ldm.models.autoencoder.AutoencoderKL",)
-TEXT_ENCODERS = {  # the CompVis conditioning class: the family whose text encoder it is
-    "ldm.modules.encoders.modules.FrozenCLIPEmbedder": "sd15",
-    "ldm.modules.encoders.modules.FrozenOpenCLIPEmbedder": "sd2-base",
-}
 UNET_IGNORED = {
     "image_size": "unused by Stable Diffusion's UNet",
     "use_fp16": "precision is lightning.trainer.precision",
@@ -151,12 +147,12 @@ def _text_encoder(node: Any, ours: dict, from_weights: bool, ignored: list[str])
     )
     if target not in TEXT_ENCODERS:
         raise ConfigError(f"{key}.target: {target} has no equivalent here; valid: {', '.join(TEXT_ENCODERS)}")
-    family = FAMILIES[TEXT_ENCODERS[target]]
+    family, used = TEXT_ENCODERS[target]
     layer = params.pop("layer", "last")
-    if layer != ("penultimate" if family.text_layout == "open_clip" else "last"):
+    if layer != used:
         raise ConfigError(
             f"{where}.layer: {layer!r}; Stable Diffusion's text encoders here condition on "
-            f"{'the penultimate' if family.text_layout == 'open_clip' else 'the last'} layer of {target.split('.')[-1]}"
+            f"the {used} layer of {target.split('.')[-1]}"
         )
     max_length = int(params.pop("max_length", 77))
     weights, version = params.pop("from_pretrained", None), params.pop("version", None)

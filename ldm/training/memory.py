@@ -22,8 +22,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from ldm.components import vae_downscale
 from ldm.components.build import (
-    DEFAULT_CLASSES,
-    NETWORK_PARTS,
     build_part,
     module_from_config,
     part_folder,
@@ -31,6 +29,7 @@ from ldm.components.build import (
 )
 from ldm.components.memory import DTYPES
 from ldm.config import ConfigError, import_target, to_plain
+from ldm.families import DEFAULT_CLASSES, NETWORK_PARTS
 from ldm.training.model import latent_diffusion
 from ldm.training.optim import LowMemoryAdamW
 
@@ -100,8 +99,8 @@ def _part_config(params: dict, name: str) -> tuple[type, dict]:
 
 
 def _network_names(params: dict) -> tuple[str, ...]:
-    """The networks of the configured model: SD's, and SDXL's second text encoder where it is given or the
-    `pretrained` folder (a diffusers folder, or an architecture folder such as `configs/models/sdxl`) has it."""
+    """The networks of the configured model: every model's, and a second text encoder where it is given or the
+    `pretrained` folder (a diffusers folder, or an architecture folder of `configs/models/`) has it."""
     pretrained = params.get("pretrained")
     has_second = params.get("text_encoder_2") is not None or bool(
         pretrained and (Path(pretrained) / "text_encoder_2" / "config.json").is_file()
@@ -110,7 +109,7 @@ def _network_names(params: dict) -> tuple[str, ...]:
 
 
 def _tokenizer(params: dict, text_config: dict, name: str = "tokenizer") -> Any:
-    """The configured tokenizer, or (for architecture folders such as `configs/models/sd15`, which hold none)
+    """The configured tokenizer, or (for the architecture folders of `configs/models/`, which hold none)
     the CLIP tokenizer at the text encoder's length: token ids only set the sizes the step traces."""
     spec = params.get(name)
     if spec is None and params.get("pretrained") and (Path(params["pretrained"]) / name).is_dir():
@@ -129,7 +128,7 @@ class _Tracker(MemTracker):
     """torch's `MemTracker`, leaving alone the weights that take no gradient (it hooks every weight's gradient,
     which a frozen one cannot have): frozen parts and a LoRA's base weights stay frozen in the trace. It keeps
     the whole step's peak only: the per-module peaks cost a walk over every module at every operation, which
-    made a full-size SDXL step with a fused optimizer take hours."""
+    made a full-size two-encoder UNet step with a fused optimizer take hours."""
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for device, snapshot in self._curr_mem_snap.items():

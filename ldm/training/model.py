@@ -16,12 +16,12 @@ from typing import Any, Literal, TypedDict
 import torch
 
 from ldm.components import Parts
-from ldm.components.build import NETWORK_PARTS, OPTIONAL_PARTS, PartSpec
+from ldm.components.build import PartSpec
 from ldm.components.describe import config_dict
-from ldm.components.families import FamilyName
 from ldm.components.lora import LoraSpec, add_lora
 from ldm.components.memory import DTYPES, prepare_for_training, set_attention
 from ldm.config import ConfigError, ExistingPath, TargetSpec, import_target, instantiate, supplied
+from ldm.families import NETWORK_PARTS, OPTIONAL_PARTS, FamilyName
 from ldm.systems.latent_diffusion import LatentDiffusion as System
 from ldm.systems.latent_diffusion import Objective, Optimization
 from ldm.weights.read import load_pretrained
@@ -101,7 +101,7 @@ def latent_diffusion(
 
     Parts: `pretrained` (a diffusers folder, an original single file or one of our checkpoints) gives
     every part not given on its own (`unet`, `vae`, ... as `{pretrained, subfolder}` or `{config}`, or
-    a module; SDXL's `text_encoder_2` and `tokenizer_2` where its weights have them). The prediction type
+    a module; a family's `text_encoder_2` and `tokenizer_2` where its weights have them). The prediction type
     follows the weights; `prediction_type` may set it only for parts built from a config. `unet` may name
     any denoiser class (`target`) that takes the call `denoiser(noisy, t, cond)` (see `ldm.backbones`).
 

@@ -1,9 +1,9 @@
 """The tensors of an original single file that no part holds, kept so that a round trip gives each one back.
 
-An SD single file holds more than the UNet, VAE and text encoder weights: the noise schedule as
+A UNet family's single file holds more than the UNet, VAE and text encoder weights: the noise schedule as
 buffers (`betas`, `alphas_cumprod`, ..., `posterior_*`), the UNet's EMA copy (`model_ema.*`) beside
-the raw weights, OpenCLIP's last layer (SD 2 conditions on the penultimate one, so its CLIPTextModel
-has 23 layers), its `logit_scale` and `text_projection`, and whatever else a tool put there.
+the raw weights, OpenCLIP's last layer (a family conditioning on the penultimate one builds its CLIPTextModel
+a layer short), its `logit_scale` and `text_projection`, and whatever else a tool put there.
 Reading a file keeps them with the parts (`attach`); a diffusers folder carries them in
 `EXTRAS_FILE` at its root, which diffusers never reads; a single file written from those parts gets
 them back as they were (`writable`).
@@ -42,7 +42,7 @@ class Extras:
 
     tensors: dict[str, torch.Tensor]
     source: str  # where they were read from, for messages
-    text_layout: str  # of the file they come from ("clip", "open_clip" or "sdxl"): their names are in it
+    text_layout: str  # the `FileLayout` of the file they come from (`ldm.families.LAYOUTS`): their names are in it
     unet_fingerprint: str | None = None  # of the UNet the EMA copies average (`unet_fingerprint`); None without them
 
     @property

@@ -1,34 +1,24 @@
-"""The original Stable Diffusion key layout (CompVis / Stability), generated from each part's config.
+"""The original key layout of UNet-family single files (CompVis / Stability), generated from each part's config.
 
-Each map goes diffusers name -> original name; readers invert it, so the two directions cannot
-drift apart. OpenCLIP (SD 2.x, SDXL's second text encoder) fuses q/k/v into one tensor: such keys map to
-(name, slot); its `text_projection` is the transpose of the diffusers weight (slot `TRANSPOSED`).
+Each map goes diffusers name -> original name; readers invert it, so the two directions cannot drift apart.
+The UNet is under `UNET`, the VAE under `VAE`; where each text encoder is, and whether it has OpenAI CLIP's
+names or OpenCLIP's, a family's `FileLayout` says (`ldm.families`). OpenCLIP fuses q/k/v into one tensor:
+such keys map to (name, slot); its `text_projection` is the transpose of the diffusers weight (slot
+`TRANSPOSED`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from typing import Any
 
 from ldm.components import Parts
 from ldm.components.unet_layout import original_unet_name, rename
+from ldm.families import UNET, VAE, SingleFileError
 from ldm.weights.text_model import without_prefix
 
-UNET, VAE = "model.diffusion_model.", "first_stage_model."
-CLIP, OPEN_CLIP = "cond_stage_model.transformer.text_model.", "cond_stage_model.model."
-SDXL_CLIP, SDXL_OPEN_CLIP = "conditioner.embedders.0.transformer.text_model.", "conditioner.embedders.1.model."
-# Each text layout's text encoders: (part, prefix of its keys in the original file, CLIP or OpenCLIP names).
-TEXT_LAYOUTS = {
-    "clip": (("text_encoder", CLIP, "clip"),),
-    "open_clip": (("text_encoder", OPEN_CLIP, "open_clip"),),
-    "sdxl": (("text_encoder", SDXL_CLIP, "clip"), ("text_encoder_2", SDXL_OPEN_CLIP, "open_clip")),
-}
 TRANSPOSED = -1  # the slot of a weight the original file holds transposed
 EMA = "model_ema."  # the UNet's EMA copy, one flat name per weight, beside the raw weights in full checkpoints
-
-
-class SingleFileError(ValueError):
-    """A single file that cannot be read as a Stable Diffusion checkpoint; the message says why and what to do."""
 
 
 _VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
@@ -85,9 +75,9 @@ def _open_clip_name(key: str) -> tuple[str, int | None]:
     return f"{layer}.{rename(rest, _OPEN_CLIP_LAYER)}", None
 
 
-def original_names(parts: Parts, text_layout: str) -> dict[str, tuple[str, int | None]]:
+def original_names(parts: Parts, layout: Any) -> dict[str, tuple[str, int | None]]:
     """Our state-dict key (`unet.…`, `vae.…`, `text_encoder.…`, `text_encoder_2.…`) -> (original key, q/k/v
-    slot, `TRANSPOSED` or None)."""
+    slot, `TRANSPOSED` or None), for a file of `layout` (an `ldm.families.FileLayout`)."""
     names: dict[str, tuple[str, int | None]] = {}
     for part, prefix, to_original in (("unet", UNET, original_unet_name), ("vae", VAE, _vae_name)):
         module = getattr(parts, part)
@@ -99,9 +89,9 @@ def original_names(parts: Parts, text_layout: str) -> dict[str, tuple[str, int |
                 raise SingleFileError(f"{part} weight {key!r} has no place in the original layout") from None
             except ValueError as err:
                 raise SingleFileError(str(err)) from None
-    for part, prefix, kind in TEXT_LAYOUTS[text_layout]:
+    for part, prefix, kind in layout.text:
         if part not in parts:
-            raise SingleFileError(f"the {text_layout} layout has a {part}, which these parts lack")
+            raise SingleFileError(f"the {layout.name} layout has a {part}, which these parts lack")
         for key in parts[part].state_dict():
             plain = without_prefix(key)
             try:
@@ -115,14 +105,6 @@ def original_names(parts: Parts, text_layout: str) -> dict[str, tuple[str, int |
 def ema_name(original: str) -> str:
     """Where an original file keeps the EMA copy of UNet weight `original`: `model_ema.` and its path without dots."""
     return EMA + "".join(original[len("model.") :].split("."))
-
-
-def text_layout_of(keys: Iterable[str]) -> str:
-    """The text encoder layout of an original state dict's keys: "sdxl", "open_clip" (SD 2.x) or "clip"."""
-    keys = list(keys)
-    if any(k.startswith(SDXL_OPEN_CLIP) for k in keys):
-        return "sdxl"
-    return "open_clip" if any(k.startswith(OPEN_CLIP) for k in keys) else "clip"
 
 
 def is_vae_attention_weight(original: str) -> bool:

@@ -17,9 +17,9 @@ from typing import Literal
 import torch
 
 from ldm.components import Parts
-from ldm.components.families import family_of
 from ldm.components.lora import add_lora, lora_layers, merged
 from ldm.components.lora_keys import kohya_state_dict, lora_modules, read_adapters
+from ldm.families import LAYOUTS, architecture_of, family_of
 from ldm.utils.atomic import atomic_path
 from ldm.weights.checkpoint import load_pickle
 from ldm.weights.formats import Format, detect
@@ -30,9 +30,6 @@ from ldm.weights.single_file import modelspec
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LoraFormat = Literal["kohya", "diffusers"]
-# Our families as sd-scripts names them in ss_base_model_version (model_util.get_model_version_str_for_sd1_sd2).
-KOHYA_BASES = {"sd15": "sd_v1", "sd2-base": "sd_v2", "sd2-768-v": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
-               "sdxl-v": "sdxl_base_v1-0"}  # fmt: skip
 
 
 def save_lora(
@@ -80,8 +77,8 @@ def kohya_metadata(parts: Parts, state: Mapping[str, torch.Tensor], name: str) -
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(state[f"{first}.lora_down.weight"].shape[0]),
         "ss_network_alpha": str(round(float(state[f"{first}.alpha"]), 6)),  # as sd-scripts: "8.0"
-        "ss_v2": str(bool(family) and family.text_layout == "open_clip"),
-        "ss_base_model_version": KOHYA_BASES.get(family.name, "") if family else "",
+        "ss_v2": str(bool(family) and family.kohya_v2),
+        "ss_base_model_version": family.kohya_base if family else "",
         "ss_output_name": name,
         "ss_training_comment": "exported by ldm (scripts/export_lora.py)",
     }
@@ -111,10 +108,10 @@ def checkpoint_base(ckpt: dict) -> str | None:
 
 def save_diffusers_lora(parts: Parts, out_dir: str | Path) -> Path:
     """Write the parts' adapters as `out_dir/pytorch_lora_weights.safetensors`, for `pipe.load_lora_weights`."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    import diffusers
 
     layers = {f"{name}_lora_layers": lora_layers(m) for name, m in parts.networks.items() if lora_modules(m)}
-    pipeline = StableDiffusionXLPipeline if "text_encoder_2" in parts else StableDiffusionPipeline
+    pipeline = getattr(diffusers, architecture_of(parts).pipeline_class)
     if not layers:
         raise ValueError(_NO_ADAPTERS)
     out_dir = Path(out_dir)
@@ -149,13 +146,16 @@ def write_merged(parts: Parts, base: str | Path | None, out_dir: str | Path, hal
     return write_pipeline(parts, out_dir, half=half)
 
 
-# Where each network's weights are in our checkpoints, then in original single files.
-_PART_PREFIXES = {
-    "unet": ("unet.", UNET),
-    "vae": ("vae.", VAE),
-    "text_encoder": ("text_encoder.", "cond_stage_model.", "conditioner.embedders.0."),
-    "text_encoder_2": ("text_encoder_2.", "conditioner.embedders.1."),
-}
+def _part_prefixes() -> dict[str, tuple[str, ...]]:
+    """Where each network's weights are in our checkpoints, then in original single files (each file layout's)."""
+    prefixes = {"unet": ("unet.", UNET), "vae": ("vae.", VAE)}
+    for layout in LAYOUTS.values():
+        for part, prefix, _ in layout.text:
+            prefixes[part] = (*prefixes.get(part, (f"{part}.",)), prefix)
+    return prefixes
+
+
+_PART_PREFIXES = _part_prefixes()
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 

@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 
 from ldm.components import Parts
-from ldm.components.build import OPTIONAL_PARTS, folder_parts
+from ldm.components.build import folder_parts
 from ldm.components.tokenizers import write_both_tokenizer_forms
+from ldm.families import OPTIONAL_PARTS
 from ldm.sampling import build_pipeline
 from ldm.utils.atomic import atomic_path, honour_umask
 from ldm.weights import text_model

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from ldm.components import Parts
-from ldm.components.build import OPTIONAL_PARTS, PART_NAMES, build_parts
+from ldm.components.build import build_parts
 from ldm.components.describe import parts_from_description
 from ldm.components.lora import add_lora, is_lora_key, merged
 from ldm.config import ConfigError
+from ldm.families import OPTIONAL_PARTS, PART_NAMES
 from ldm.weights.checkpoint import load_checkpoint, load_pickle
 from ldm.weights.extras import attach, read_extras
 from ldm.weights.formats import CHECKPOINT_FOLDERS, CHECKPOINTS, PICKLE_SUFFIXES, Format, detect, is_our_checkpoint

@@ -1,18 +1,17 @@
 """Original Stable Diffusion single files (the CompVis / Stability key layout), to and from our parts.
 
 A1111, ComfyUI and the original `ldm` code read one `.safetensors` / `.ckpt` holding the UNet under
-`model.diffusion_model.`, the VAE under `first_stage_model.` and the text encoder under
-`cond_stage_model.` (OpenAI CLIP for SD 1.x; OpenCLIP for SD 2.x, with fused q/k/v); SDXL's two text encoders
-are under `conditioner.embedders.0.` (CLIP) and `conditioner.embedders.1.` (OpenCLIP).
+`model.diffusion_model.`, the VAE under `first_stage_model.` and the text encoders where the family's
+`FileLayout` says (`ldm.families`).
 
-The model family (`ldm.components.families`) decides the architecture configs, the tokenizer and
-the prediction type: a file is never paired with a prediction type guessed in a config. The key
-maps are in `ldm.weights.keymaps`. What a file holds beyond the parts (schedule buffers, EMA copy,
-OpenCLIP's last layer, ...) is read with them and written back (`ldm.weights.extras`).
+The model family decides the architecture configs, the tokenizer and the prediction type: a file is never
+paired with a prediction type guessed in a config. The key maps are in `ldm.weights.keymaps`. What a file holds
+beyond the parts (schedule buffers, EMA copy, OpenCLIP's last layer, ...) is read with them and written back
+(`ldm.weights.extras`).
 
 A written file says what it is the way other tools read it: the Stability AI model spec keys
-(`modelspec.*`) in a `.safetensors` header, and for SD 2.x, whose 512-base (epsilon) and 768-v
-(v-prediction) weights look alike, the original inference YAML as `<stem>.yaml` beside it, which
+(`modelspec.*`) in a `.safetensors` header, the family's markers, and for a family whose weights look like
+another's with a different prediction type, the original inference YAML as `<stem>.yaml` beside it, which
 AUTOMATIC1111 reads before guessing.
 """
 
@@ -28,46 +27,46 @@ from typing import Any
 import torch
 
 from ldm.components import Parts, vae_downscale
-from ldm.components.describe import describe_parts, parts_from_description
-from ldm.components.families import CONFIGS, FAMILIES, Family, family_description, family_of
+from ldm.components.describe import describe_parts, family_description, parts_from_description
+from ldm.families import (
+    CONFIGS,
+    FAMILIES,
+    LAYOUTS,
+    Family,
+    FileLayout,
+    architecture_of,
+    detect_family,
+    family_of,
+    layout_of_keys,
+)
 from ldm.utils.atomic import atomic_path
 from ldm.weights.checkpoint import load_pickle
 from ldm.weights.extras import Extras, attach, extras_of, extras_read_with, fingerprint, writable
 from ldm.weights.formats import PICKLE_SUFFIXES, is_our_checkpoint
 from ldm.weights.keymaps import (
-    CLIP,
-    OPEN_CLIP,
-    SDXL_OPEN_CLIP,
     TRANSPOSED,
     UNET,
     SingleFileError,
     ema_name,
     is_vae_attention_weight,
     original_names,
-    text_layout_of,
 )
 from ldm.weights.tensors import Renamed, TensorFile
 
 log = logging.getLogger(__name__)
 
 METADATA_KEY = "ldm"  # safetensors metadata / pickle entry: JSON with family, layout and part configs
-# The global step of Stability's 512-base-ema.ckpt; diffusers keys SD 2 base off the same number.
-SD2_BASE_GLOBAL_STEP = 875000
-# Written by `to_original` for want of the real tensor; the real one, where a file gave it (an extra), wins.
-PLACEHOLDERS = (OPEN_CLIP + "text_projection",)
 # The Stability AI model spec (github.com/Stability-AI/ModelSpec): each family's architecture id, and the
-# implementation string sd-scripts writes for SD files in this key layout.
-MODELSPEC_ARCHITECTURES = {
-    "sd15": "stable-diffusion-v1",
-    "sd2-base": "stable-diffusion-v2-512",
-    "sd2-768-v": "stable-diffusion-v2-768-v",
-    "sdxl": "stable-diffusion-xl-v1-base",
-    "sdxl-v": "stable-diffusion-xl-v1-base",  # with modelspec.prediction_type v
-}
-# Empty tensors by which SDXL files say they are v-prediction and zero terminal SNR (ComfyUI reads them).
-SDXL_MARKERS = {"v_pred": ("prediction_type", "v_prediction"), "ztsnr": ("rescale_betas_zero_snr", True)}
+# implementation string sd-scripts writes for files in this key layout.
+MODELSPEC_ARCHITECTURES = {f.name: f.modelspec for f in FAMILIES.values()}
 MODELSPEC_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
-SUPPORTED = "ldm trains Stable Diffusion 1.x, 2.x and SDXL base text-to-image models"
+
+
+def file_layout(name: str) -> FileLayout:
+    """The `FileLayout` called `name` (as files and extras record it)."""
+    if name not in LAYOUTS:
+        raise SingleFileError(f"text layout {name!r} is not one of {', '.join(LAYOUTS)}")
+    return LAYOUTS[name]
 
 
 def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str, torch.Tensor]:
@@ -75,7 +74,8 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
     state = {f"{part}.{k}": v for part, module in parts.networks.items() for k, v in module.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, list] = {}
-    for ours, (original, slot) in original_names(parts, text_layout).items():
+    layout = file_layout(text_layout)
+    for ours, (original, slot) in original_names(parts, layout).items():
         tensor = state[ours].detach()
         if is_vae_attention_weight(original) and tensor.dim() == 2:
             tensor = tensor[:, :, None, None]
@@ -84,12 +84,8 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
         else:
             fused.setdefault(original, [None] * 3)[slot] = tensor
     out.update({k: torch.cat(chunks) for k, chunks in fused.items()})
-    if text_layout == "open_clip":
-        # OpenCLIP's output projection, unused by SD 2.x (it conditions on hidden states) and so absent
-        # from CLIPTextModel; readers size the encoder from it, so it is written as the identity (a
-        # placeholder: `save_single_file` writes the real one where the parts' source file gave it).
-        width = parts.text_encoder.config.hidden_size
-        out[OPEN_CLIP + "text_projection"] = torch.eye(width, dtype=out[OPEN_CLIP + "ln_final.weight"].dtype)
+    if layout.placeholders is not None:  # `save_single_file` writes the real ones where the source file gave them
+        out.update(layout.placeholders(parts, out))
     dtype = torch.float16 if half else None
     return {k: v.to(dtype=dtype or v.dtype).contiguous() for k, v in out.items()}
 
@@ -100,16 +96,17 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
     The file carries our part configs as metadata, so it reads back exactly, architecture and all; the
     tensors of the file the parts were read from that no part holds come back too (`ldm.weights.extras`).
     The text encoder's layout is `text_layout`, else the family's, else that of the file the parts were read from.
-    For SD 2.x the original YAML goes beside it first (`config_beside`), so a published file always has it.
+    Where a family needs it, the original YAML goes beside it first (`config_beside`), so a published file has it.
     """
     family, extras = family_of(parts), extras_of(parts)
-    own = "sdxl" if "text_encoder_2" in parts else "clip"
+    own = architecture_of(parts).layouts[0].name
     layout = text_layout or (family.text_layout if family else extras.text_layout if extras else own)
     state = to_original(parts, layout, half)
-    state.update({k: v for k, v in writable(parts, half).items() if k not in state or k in PLACEHOLDERS})
-    if layout == "sdxl":
-        schedule = parts.scheduler.config
-        state.update({k: torch.tensor([]) for k, (key, value) in SDXL_MARKERS.items() if schedule.get(key) == value})
+    placeholders = file_layout(layout).placeholder_keys
+    state.update({k: v for k, v in writable(parts, half).items() if k not in state or k in placeholders})
+    schedule = parts.scheduler.config
+    markers = file_layout(layout).markers.items()
+    state.update({k: torch.tensor([]) for k, (key, value) in markers if schedule.get(key) == value})
     meta = {
         "family": family.name if family else "custom",
         "text_layout": layout,
@@ -141,9 +138,9 @@ def config_beside(path: str | Path, family: Family | None) -> Path | None:
     """Where the original YAML of a single file of `family` goes (`<stem>.yaml`, where AUTOMATIC1111 looks
     first), or None where no tool needs it.
 
-    It is needed where another family has the same architecture and a different prediction type (SD 2.x
-    512-base and 768-v): A1111 then guesses the type by running the UNet on a test input, and
-    ComfyUI by the spread of one bias; SD 1.x has one type, and a custom architecture no original YAML."""
+    It is needed where another family has the same architecture and a different prediction type: A1111 then
+    guesses the type by running the UNet on a test input, and ComfyUI by the spread of one bias. A family alone
+    in its layout needs none, nor does a custom architecture, which has no original YAML."""
     if family is None or family.original_config is None:
         return None
     twins = [f for f in FAMILIES.values() if f.text_layout == family.text_layout and f.name != family.name]
@@ -160,7 +157,7 @@ def modelspec(parts: Parts, family: Family | None, title: str) -> dict[str, str]
     size = parts.unet.config.sample_size * vae_downscale(parts.vae.config)
     return {
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": MODELSPEC_ARCHITECTURES[family.name],
+        "modelspec.architecture": family.modelspec,
         "modelspec.implementation": MODELSPEC_IMPLEMENTATION,
         "modelspec.title": title,
         "modelspec.resolution": f"{size}x{size}",
@@ -202,72 +199,6 @@ def split_pickle(obj: Any, path: Path) -> tuple[dict[str, torch.Tensor], dict, A
     return state, obj.get(METADATA_KEY) or {}, obj.get("global_step")
 
 
-def _refuse_other_models(state: dict, where: str) -> None:
-    """Name the models a single file may hold that are not read here: SD3, Flux, SDXL's refiner and inpainting
-    models."""
-    other = None
-    if any(k.startswith((UNET + "joint_blocks.", "joint_blocks.")) for k in state):
-        other = "Stable Diffusion 3 (an MMDiT)"
-    elif any(k.startswith((UNET + "double_blocks.", "double_blocks.")) for k in state):
-        other = "Flux"
-    elif any(k.startswith("conditioner.embedders.") for k in state):
-        conv_in = state.get(UNET + "input_blocks.0.0.weight")
-        if not any(k.startswith("conditioner.embedders.1.") for k in state):
-            other = "the SDXL refiner (one OpenCLIP text encoder, image to image)"
-        elif conv_in is not None and conv_in.shape[1] != 4:
-            other = f"an SDXL inpainting model ({conv_in.shape[1]} input channels)"
-    if other is not None:
-        raise SingleFileError(f"{where}: {other}; {SUPPORTED}")
-
-
-def detect_family(
-    state: dict, metadata: dict, global_step: Any = None, declared: str | None = None, where: str = "the file"
-) -> tuple[Family | None, str]:
-    """The family of an original-layout state dict, and how it was told; `declared` settles SD 2 base vs 768-v."""
-    if declared is not None and declared not in FAMILIES:
-        raise SingleFileError(f"family {declared!r} is not one of {', '.join(FAMILIES)}")
-    if metadata.get("family"):
-        family = FAMILIES.get(metadata["family"])
-        if declared and family and declared != family.name:
-            raise SingleFileError(f"{where} says it is {family.name}, not {declared}; drop the family setting")
-        return family, "from the file's ldm metadata"
-    _refuse_other_models(state, where)
-    conv_in = state.get(UNET + "input_blocks.0.0.weight")
-    if conv_in is None:
-        raise SingleFileError(f"{where}: not a Stable Diffusion checkpoint (no {UNET}* weights)")
-    if conv_in.shape[1] != 4:
-        raise SingleFileError(
-            f"{where}: a UNet with {conv_in.shape[1]} input channels (inpainting or depth); "
-            "only text-to-image models (4 channels) are supported"
-        )
-    if SDXL_OPEN_CLIP + "token_embedding.weight" in state:
-        layout = "sdxl"
-    elif CLIP + "embeddings.token_embedding.weight" in state:
-        layout = "clip"
-    elif OPEN_CLIP + "token_embedding.weight" in state:
-        layout = "open_clip"
-    else:
-        raise SingleFileError(f"{where}: no text encoder weights under {CLIP} or {OPEN_CLIP}")
-    candidates = [f for f in FAMILIES.values() if f.text_layout == layout]
-    if declared:
-        if FAMILIES[declared].text_layout != layout:
-            found = " or ".join(f.name for f in candidates)
-            raise SingleFileError(f"{where} holds a {layout} text encoder, so it is {found}, not {declared}")
-        return FAMILIES[declared], "as declared"
-    if layout == "sdxl":
-        if "v_pred" in state:
-            return FAMILIES["sdxl-v"], "from its SDXL text encoders and its v_pred key"
-        return FAMILIES["sdxl"], "from its SDXL text encoders (no v_pred key: epsilon)"
-    if len(candidates) == 1:
-        return candidates[0], f"from its {layout} text encoder"
-    if global_step == SD2_BASE_GLOBAL_STEP:
-        return FAMILIES["sd2-base"], f"from its OpenCLIP text encoder and global_step {global_step}"
-    raise SingleFileError(
-        f"{where}: Stable Diffusion 2.x weights, but the weights cannot tell 512-base (epsilon) from 768-v "
-        "(v-prediction); say which: model.params.pretrained_family: sd2-base or sd2-768-v (convert.py: --family)"
-    )
-
-
 def load_single_file(
     path: str | Path,
     ema: bool = False,
@@ -304,7 +235,7 @@ def extra_keys(keys: Iterable[str], parts: Parts, layout: str, ema: bool = False
 
     With `ema`, the UNet takes the EMA copy; the raw weights it replaces are not kept, since they could
     come back only by displacing the weights the user chose (readers load `model.diffusion_model.*`)."""
-    used = {original for original, _ in original_names(parts, layout).values()}
+    used = {original for original, _ in original_names(parts, file_layout(layout)).values()}
     if ema:
         used |= {ema_name(k) for k in used if k.startswith(UNET)}
     return [k for k in keys if k not in used]
@@ -318,8 +249,8 @@ def extras_from_file(path: str | Path, parts: Parts, ema: bool = False) -> Extra
     with _tensors_of(path) as (keys, get):
         if keys is None:
             return None
-        layout = text_layout_of(keys)
-        names = original_names(parts, layout)
+        layout = layout_of_keys(keys)
+        names = original_names(parts, file_layout(layout))
         present = set(keys)
         if any(original not in present for original, _ in names.values()):
             return None
@@ -368,7 +299,7 @@ def _load_original(parts: Parts, state: Mapping, layout: str, path: Path, dtypes
     by_part: dict[str, dict] = {name: {} for name in parts.networks}
     shapes = {part: {k: v.shape for k, v in getattr(parts, part).state_dict().items()} for part in by_part}
     last: tuple[str, torch.Tensor] | None = None  # the fused q/k/v weight just read, for its next two slots
-    for ours, (original, slot) in original_names(parts, layout).items():
+    for ours, (original, slot) in original_names(parts, file_layout(layout)).items():
         if original not in state:
             raise SingleFileError(f"{path}: missing weight {original} (for {ours}); is it a complete checkpoint?")
         tensor = last[1] if last is not None and last[0] == original else state[original]
