@@ -4,7 +4,8 @@
 
 writes a diffusers pipeline folder (16 px images, 4x8x8 latents) with the real SD 1.x CLIP
 tokenizer, built offline from open_clip_torch's BPE file; `--family sdxl` an SDXL-shaped one (two text
-encoders, the second with a projection, and the UNet's size and crop conditioning).
+encoders, the second with a projection, and the UNet's size and crop conditioning); `--family sd35-medium`
+or `sd35-large` an SD3.5-shaped one (`examples.tiny_sd35`: an MMDiT, three text encoders, flow matching).
 """
 
 from __future__ import annotations
@@ -167,10 +168,17 @@ def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="output folder (a diffusers pipeline)")
-    parser.add_argument("--family", choices=["sd", "sdxl"], default="sd", help="SD 1.x-shaped (default) or SDXL")
+    parser.add_argument(
+        "--family", choices=["sd", "sdxl", "sd35-medium", "sd35-large"], default="sd", help="SD 1.x-shaped (default)"
+    )
     parser.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default="epsilon")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.family.startswith("sd35"):
+        from examples.tiny_sd35 import write_tiny_sd35
+
+        print(write_tiny_sd35(args.out, args.family, args.seed))
+        return
     write = write_tiny_sdxl if args.family == "sdxl" else write_tiny_sd
     print(write(args.out, args.prediction_type, args.seed))
 

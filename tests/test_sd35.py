@@ -1,0 +1,102 @@
+"""Stable Diffusion 3.5: the family's configs, conditioning and a tiny pipeline (`ldm.families.sd35`)."""
+
+import inspect
+import json
+
+import pytest
+import torch
+from diffusers import SD3Transformer2DModel
+
+from examples.tiny_sd35 import write_t5_tokenizer, write_tiny_sd35
+from ldm.families import CONFIGS
+from ldm.families.sd35 import FAMILIES, sd35_text
+
+pytestmark = pytest.mark.skipif(
+    "dual_attention_layers" not in inspect.signature(SD3Transformer2DModel.__init__).parameters,
+    reason="this diffusers predates SD3.5's layers (MMDiT-X, QK-norm): the Colossal-AI stack's 0.29 does",
+)
+CAPTIONS = ["a photo of a cat", "", "a very long caption " * 40]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["with-t5", "without-t5"])
+def tiny_sd35(request, tmp_path_factory):
+    from diffusers import StableDiffusion3Pipeline
+
+    folder = write_tiny_sd35(tmp_path_factory.mktemp("sd35"), "sd35-medium", t5=request.param)
+    without = {} if request.param else {"text_encoder_3": None, "tokenizer_3": None}  # as diffusers loads one
+    return StableDiffusion3Pipeline.from_pretrained(folder, local_files_only=True, **without)
+
+
+def _parts(pipe) -> dict:
+    return {**pipe.components, "unet": pipe.transformer}
+
+
+@pytest.mark.parametrize("t5_length", [256, 77])
+def test_the_conditioning_is_what_encode_prompt_makes(tiny_sd35, t5_length):
+    """CLIP-L and CLIP-G penultimate states side by side, zero-padded to T5's width, then T5's states (zeros
+    without T5); the pooled embeddings side by side: bit for bit what the pipeline encodes."""
+    with torch.no_grad():
+        ours = sd35_text(_parts(tiny_sd35), CAPTIONS, torch.device("cpu"), t5_length)
+        states, _, pooled, _ = tiny_sd35.encode_prompt(
+            CAPTIONS, None, None, do_classifier_free_guidance=False, max_sequence_length=t5_length
+        )
+    assert ours["encoder_hidden_states"].shape == (3, 77 + t5_length, 48)
+    assert torch.equal(ours["encoder_hidden_states"], states)
+    assert torch.equal(ours["pooled_projections"], pooled)
+    clip_width = 16 + 24
+    assert not ours["encoder_hidden_states"][:, :77, clip_width:].any()  # the padding
+    if tiny_sd35.text_encoder_3 is None:
+        assert not ours["encoder_hidden_states"][:, 77:].any()
+
+
+def test_the_tiny_pipeline_samples_offline(tiny_sd35):
+    images = tiny_sd35("a cat", num_inference_steps=2, height=16, width=16, output_type="np").images
+    assert images.shape == (1, 16, 16, 3) and images.min() >= 0 and images.max() <= 1
+
+
+def test_the_tiny_t5_tokenizer_has_t5s_special_tokens(tmp_path):
+    from transformers import T5TokenizerFast
+
+    tokenizer = T5TokenizerFast.from_pretrained(write_t5_tokenizer(tmp_path / "t5"), local_files_only=True)
+    ids = tokenizer(["a photo of a cat"], padding="max_length", max_length=12).input_ids[0]
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    assert 1 in ids and ids[ids.index(1) + 1 :] == [0] * (11 - ids.index(1))  # </s> ends it, then padding
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "a photo of a cat"
+
+
+@pytest.mark.parametrize(
+    ("name", "millions", "dual"), [("sd35-medium", 2243.2, list(range(13))), ("sd35-large", 8056.6, [])]
+)
+def test_real_size_transformers_have_the_published_shape(name, millions, dual):
+    """The shipped configs on the meta device: MMDiT-X self-attention in Medium's first 13 blocks, RMS QK-norm,
+    hidden width 64 x depth; the parameter counts README.md prints."""
+    config = json.loads((CONFIGS / name / "unet" / "config.json").read_text())
+    with torch.device("meta"):
+        model = SD3Transformer2DModel.from_config(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == millions
+    assert [i for i, block in enumerate(model.transformer_blocks) if block.attn2 is not None] == dual
+    assert model.transformer_blocks[0].attn.norm_q.__class__.__name__ == "RMSNorm"
+    assert model.config.num_attention_heads * model.config.attention_head_dim == 64 * model.config.num_layers
+
+
+def test_real_size_encoders_and_vae():
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    folder = CONFIGS / "sd35-large"
+    sizes = {}
+    with torch.device("meta"):
+        for part, cls, config_cls in (
+            ("text_encoder", CLIPTextModelWithProjection, CLIPTextConfig),
+            ("text_encoder_2", CLIPTextModelWithProjection, CLIPTextConfig),
+            ("text_encoder_3", T5EncoderModel, T5Config),
+        ):
+            model = cls(config_cls(**json.loads((folder / part / "config.json").read_text())))
+            sizes[part] = round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
+        vae = AutoencoderKL.from_config(json.loads((folder / "vae" / "config.json").read_text()))
+    sizes["vae"] = round(sum(p.numel() for p in vae.parameters()) / 1e6, 1)
+    assert sizes == {"text_encoder": 123.7, "text_encoder_2": 694.7, "text_encoder_3": 4762.3, "vae": 83.8}
+    assert (vae.config.latent_channels, vae.config.scaling_factor, vae.config.shift_factor) == (16, 1.5305, 0.0609)
+    scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    assert (scheduler["_class_name"], scheduler["shift"]) == ("FlowMatchEulerDiscreteScheduler", 3.0)
+    assert [f.name for f in FAMILIES] == ["sd35-medium", "sd35-large"]
