@@ -13,6 +13,7 @@ from ldm.backbones.microdit import MicroDiT
 from ldm.components import Parts
 from ldm.families import architecture_of
 from ldm.pipelines.microdit import MicroDiTPipeline
+from ldm.systems.objective import is_flow_scheduler
 
 SAMPLERS = {
     "ddim": "DDIMScheduler",
@@ -26,6 +27,9 @@ SAMPLERS = {
 
 # A MicroDiT trains with EDM: it samples with diffusers' EDM schedulers, which precondition as it trained.
 EDM_SAMPLERS = {"euler": "EDMEulerScheduler", "ddim": "EDMEulerScheduler", "dpm++": "EDMDPMSolverMultistepScheduler"}
+# A flow-matching model samples with diffusers' flow-matching schedulers, which step along its velocity.
+FLOW_SAMPLERS = {"euler": "FlowMatchEulerDiscreteScheduler", "ddim": "FlowMatchEulerDiscreteScheduler",
+                 "heun": "FlowMatchHeunDiscreteScheduler"}  # fmt: skip
 
 
 class SamplingStopped(Exception):
@@ -41,6 +45,10 @@ def inference_scheduler(training_scheduler, sampler: str = "ddim"):
         if sampler not in EDM_SAMPLERS:
             raise ValueError(f"sampler: an EDM model samples with {', '.join(EDM_SAMPLERS)}; got {sampler!r}")
         return getattr(diffusers, EDM_SAMPLERS[sampler]).from_config(config)
+    if is_flow_scheduler(training_scheduler):
+        if sampler not in FLOW_SAMPLERS:
+            raise ValueError(f"sampler: a flow-matching model samples with {', '.join(FLOW_SAMPLERS)}; got {sampler!r}")
+        return getattr(diffusers, FLOW_SAMPLERS[sampler]).from_config(config)
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
     config["clip_sample"] = False  # latents are not bounded in [-1, 1]
@@ -48,7 +56,13 @@ def inference_scheduler(training_scheduler, sampler: str = "ddim"):
 
 
 def check_samplable(parts: Parts) -> None:
-    """Raise `ValueError` unless `parts` have a pipeline: the denoiser must be a UNet or a MicroDiT."""
+    """Raise `ValueError` unless `parts` have a pipeline: the denoiser must be a UNet or a MicroDiT, and a UNet's
+    scheduler one its pipeline samples with (not a flow-matching one)."""
+    if isinstance(parts.unet, UNet2DConditionModel) and is_flow_scheduler(parts.scheduler):
+        raise ValueError(
+            f"a UNet trained by flow matching cannot sample yet: diffusers' UNet pipelines cannot use the "
+            f"{type(parts.scheduler).__name__}; it trains and checkpoints"
+        )
     if not isinstance(parts.unet, (UNet2DConditionModel, MicroDiT)):
         raise ValueError(
             "sampling and export go through diffusers' StableDiffusionPipeline (a UNet2DConditionModel) or "

@@ -23,6 +23,7 @@ from ldm.components.describe import describe_parts
 from ldm.components.lora import is_lora_key
 from ldm.config import ConfigError, import_target
 from ldm.families import CONDITIONINGS, conditioning_for
+from ldm.systems.objective import Objective, flow_loss, is_flow_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +62,6 @@ class WarmupDecay:
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         fall = 0.5 * (1 + math.cos(math.pi * progress)) if self.shape == "cosine" else 1 - progress
         return self.floor + (1 - self.floor) * fall
-
-
-@dataclass
-class Objective:
-    """What the denoiser learns: DDPM (Ho et al. 2020; the scheduler's prediction type, Min-SNR weighting), or
-    EDM (Karras et al. 2022) with log-normal noise levels, optionally on a `mask_ratio` share of patches dropped
-    after a patch mixer (MicroDiT, Sehwag et al. 2024; the denoiser then has `num_patches` and takes `keep`)."""
-
-    kind: str = "ddpm"  # ddpm | edm
-    p_mean: float = -0.6
-    p_std: float = 1.2
-    sigma_data: float = 0.9
-    mask_ratio: float = 0.0
-    zero_unconditional: bool = False  # a dropped caption's conditioning is zeros, not the empty caption's
-    noise_offset: float = 0.0  # DDPM: offset noise (`ldm.diffusion.ddpm_loss`)
 
 
 class LatentDiffusion(pl.LightningModule):
@@ -147,6 +133,12 @@ class LatentDiffusion(pl.LightningModule):
         self.prediction_type = scheduler.config.get("prediction_type", "epsilon")
         if self.objective.kind == "edm":
             self._check_edm(scheduler)
+            return
+        if (self.objective.kind == "flow") != is_flow_scheduler(scheduler):
+            fix = "objective: flow" if is_flow_scheduler(scheduler) else "a FlowMatchEulerDiscreteScheduler"
+            raise ConfigError(f"model.params.objective: {self.objective.kind} cannot train with the scheduler "
+                              f"{type(scheduler).__name__}; use {fix}")  # fmt: skip
+        if self.objective.kind == "flow":
             return
         # Not a buffer: ZeRO / Gemini cast every floating buffer to fp16, and the schedule must stay float32.
         self.alphas_cumprod = torch.as_tensor(scheduler.alphas_cumprod, dtype=torch.float32)
@@ -281,6 +273,8 @@ class LatentDiffusion(pl.LightningModule):
         cond = {k: v.to(dtype) for k, v in {**cond, **self.encode_image_sizes(batch, latents)}.items()}
         if self.objective.kind == "edm":
             return self._edm_loss(module, latents, cond, draws)
+        if self.objective.kind == "flow":
+            return flow_loss(self.objective, self._others["scheduler"], module, latents, cond, draws)
         if self.alphas_cumprod.device != latents.device:
             self.alphas_cumprod = self.alphas_cumprod.to(latents.device)
         return diffusion.ddpm_loss(as_denoiser(module), latents, cond, self.alphas_cumprod, self.prediction_type,

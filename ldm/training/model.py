@@ -23,7 +23,8 @@ from ldm.components.memory import DTYPES, prepare_for_training, set_attention
 from ldm.config import ConfigError, ExistingPath, TargetSpec, import_target, instantiate, supplied
 from ldm.families import NETWORK_PARTS, OPTIONAL_PARTS, FamilyName
 from ldm.systems.latent_diffusion import LatentDiffusion as System
-from ldm.systems.latent_diffusion import Objective, Optimization
+from ldm.systems.latent_diffusion import Optimization
+from ldm.systems.objective import Objective, check_flow_settings
 from ldm.weights.read import load_pretrained
 from ldm.weights.single_file import read_single_file
 from ldm.weights.text_model import as_module_names
@@ -48,6 +49,17 @@ class EDMSettings(TypedDict, total=False):
     p_mean: float
     p_std: float
     sigma_data: float
+
+
+class FlowSettings(TypedDict, total=False):
+    """`model.params.flow`: flow matching's noise levels (how drawn, and shifted) and loss weighting."""
+
+    sampling: Literal["logit_normal", "mode", "uniform"]
+    logit_mean: float
+    logit_std: float
+    mode_scale: float
+    shift: float | Literal["resolution"] | None
+    weighting: Literal["none", "sigma_sqrt", "cosmap"]
 
 
 class Declared(TypedDict):
@@ -89,8 +101,9 @@ def latent_diffusion(
     lr_lambda: TargetSpec | None = None,
     part_weights: dict[Literal["unet", "vae", "text_encoder"], ExistingPath] | None = None,
     architecture: dict[Literal["unet", "vae"], Declared] | None = None,
-    objective: Literal["ddpm", "edm"] = "ddpm",
+    objective: Literal["ddpm", "edm", "flow"] = "ddpm",
     edm: EDMSettings | None = None,
+    flow: FlowSettings | None = None,
     mask_ratio: float = 0.0,
     unconditional: Literal["empty_caption", "zeros"] = "empty_caption",
     expert_lr_multiplier: float = 1.0,
@@ -110,6 +123,8 @@ def latent_diffusion(
     is an LR factor per step (e.g. `ldm.training.lr_schedules.LambdaLinear`) instead of `lr_schedule`; a linear or
     cosine `lr_schedule` ends at `lr_min` (default 0).
 
+    `objective: flow` trains by flow matching (`flow`: sampling, logit_mean, logit_std, mode_scale, shift, weighting;
+    see `ldm.systems.objective`) with a `FlowMatch*` scheduler.
     `objective: edm` trains with EDM (`edm`: p_mean, p_std, sigma_data), `mask_ratio` of the patches dropped after
     a MicroDiT's patch mixer; `unconditional: zeros` makes a dropped caption's conditioning zeros (MicroDiT's
     classifier-free guidance); `expert_lr_multiplier` scales the LR of mixture-of-experts parameters.
@@ -144,6 +159,14 @@ def latent_diffusion(
     )
     settings = dict(edm or {})
     training_objective = _objective(objective, settings, mask_ratio, unconditional, snr_gamma, expert_lr_multiplier)
+    if flow and objective != "flow":
+        raise ConfigError(
+            "model.params.flow: applies to objective: flow; set model.params.objective: flow, or remove it"
+        )
+    if objective == "flow":
+        check_flow_settings(dict(flow or {}))
+        for k, v in dict(flow or {}).items():
+            setattr(training_objective, k, v)
     if noise_offset < 0 or noise_offset and objective != "ddpm":
         raise ConfigError(f"model.params.noise_offset: got {noise_offset}; a DDPM setting, 0 or more (0.05 to 0.1)")
     training_objective.noise_offset = noise_offset
@@ -178,8 +201,8 @@ def _objective(
     if kind != "edm" and (edm or mask_ratio):
         given = "model.params.edm" if edm else "model.params.mask_ratio"
         raise ConfigError(f"{given}: applies to objective: edm; set model.params.objective: edm, or remove it")
-    if kind == "edm" and snr_gamma is not None:
-        raise ConfigError("model.params.snr_gamma: Min-SNR weights DDPM's loss; EDM weights its own, remove it")
+    if kind != "ddpm" and snr_gamma is not None:
+        raise ConfigError(f"model.params.snr_gamma: Min-SNR weights DDPM's loss; {kind} weights its own, remove it")
     if expert_lr_multiplier <= 0:
         raise ConfigError(f"model.params.expert_lr_multiplier: got {expert_lr_multiplier}; must be positive")
     if not 0 <= mask_ratio < 1:
