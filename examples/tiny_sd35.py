@@ -15,6 +15,8 @@ from __future__ import annotations
 import gzip
 from pathlib import Path
 
+from examples.tiny_sd import TINY_VAE
+
 T5_VOCAB = 1000  # the tiny T5 tokenizer's vocabulary
 TINY_MMDIT = dict(
     sample_size=8,
@@ -31,15 +33,8 @@ TINY_MMDIT = dict(
     qk_norm="rms_norm",
 )
 TINY_SD3_VAE = dict(
-    in_channels=3,
-    out_channels=3,
+    TINY_VAE,
     latent_channels=16,
-    block_out_channels=(8, 16),
-    down_block_types=("DownEncoderBlock2D",) * 2,
-    up_block_types=("UpDecoderBlock2D",) * 2,
-    layers_per_block=1,
-    norm_num_groups=4,
-    sample_size=16,
     scaling_factor=1.5305,
     shift_factor=0.0609,
     use_quant_conv=False,

@@ -56,18 +56,21 @@ def inference_scheduler(training_scheduler, sampler: str = "ddim"):
 
 
 def check_samplable(parts: Parts) -> None:
-    """Raise `ValueError` unless `parts` have a pipeline: the denoiser must be a UNet or a MicroDiT, and a UNet's
-    scheduler one its pipeline samples with (not a flow-matching one)."""
+    """Raise `ValueError` unless `parts` have a pipeline: the denoiser must be a MicroDiT or one its family's
+    pipeline takes, and a UNet's scheduler one its pipeline samples with (not a flow-matching one)."""
+    if isinstance(parts.unet, MicroDiT):
+        return
     if isinstance(parts.unet, UNet2DConditionModel) and is_flow_scheduler(parts.scheduler):
         raise ValueError(
             f"a UNet trained by flow matching cannot sample yet: diffusers' UNet pipelines cannot use the "
             f"{type(parts.scheduler).__name__}; it trains and checkpoints"
         )
-    if not isinstance(parts.unet, (UNet2DConditionModel, MicroDiT)):
+    architecture = architecture_of(parts)
+    if type(parts.unet).__name__ not in architecture.denoiser_classes:
         raise ValueError(
-            "sampling and export go through diffusers' StableDiffusionPipeline (a UNet2DConditionModel) or "
-            f"ldm's MicroDiTPipeline; this denoiser is a {type(parts.unet).__name__}, which trains and "
-            "checkpoints but cannot sample yet"
+            f"sampling and export go through diffusers' {architecture.pipeline_class} (a "
+            f"{' or '.join(architecture.denoiser_classes)}) or ldm's MicroDiTPipeline; this denoiser is a "
+            f"{type(parts.unet).__name__}, which trains and checkpoints but cannot sample yet"
         )
 
 

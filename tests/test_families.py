@@ -25,7 +25,7 @@ def test_generic_code_names_no_family():
 def test_every_family_has_its_architecture_layout_and_configs():
     for family in FAMILIES.values():
         architecture = ARCHITECTURES[family.architecture]
-        assert LAYOUTS[family.text_layout] in architecture.layouts
+        assert family.text_layout is None or LAYOUTS[family.text_layout] in architecture.layouts
         for part in family.networks:
             assert (family.network_folder / part / "config.json").is_file(), (family.name, part)
         assert (family.folder / "scheduler" / "scheduler_config.json").is_file()

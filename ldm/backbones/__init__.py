@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from diffusers import UNet2DConditionModel
 
+from ldm.backbones.transformer import TransformerDenoiser, is_diffusers_transformer
 from ldm.backbones.unet import UNetDenoiser
 from ldm.diffusion import Denoiser
 
@@ -19,4 +20,6 @@ def as_denoiser(module: torch.nn.Module) -> Denoiser:
     """`module` as a callable `(noisy, t, cond) -> prediction`."""
     if isinstance(module, UNet2DConditionModel):
         return UNetDenoiser(module)
+    if is_diffusers_transformer(module):
+        return TransformerDenoiser(module)
     return module

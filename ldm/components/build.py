@@ -20,7 +20,15 @@ import torch
 from ldm.components import Parts
 from ldm.components.tokenizers import write_clip_tokenizer
 from ldm.config import ConfigError, ExistingPath, import_target
-from ldm.families import DEFAULT_CLASSES, OPTIONAL_PARTS, PART_NAMES, SUPPORTED, refused_pipeline
+from ldm.families import (
+    DEFAULT_CLASSES,
+    OPTIONAL_PARTS,
+    PART_NAMES,
+    SUPPORTED,
+    Architecture,
+    architecture_of_pipeline,
+    refused_pipeline,
+)
 
 
 class PartSpec(TypedDict, total=False):
@@ -69,16 +77,31 @@ def folder_parts(pretrained: str | None, key: str = "model.params.pretrained") -
     other = refused_pipeline(listed.get("_class_name"))
     if other is not None:
         raise ConfigError(f"{key}: {pretrained} is {other} ({listed['_class_name']}); {SUPPORTED}")
-    return {name for name, entry in listed.items() if isinstance(entry, list) and entry[-1] is not None}
+    architecture = architecture_of_pipeline(listed.get("_class_name"))
+    parts = {folder: part for part, folder in (architecture.folders if architecture else {}).items()}
+    return {parts.get(k, k) for k, entry in listed.items() if isinstance(entry, list) and entry[-1] is not None}
+
+
+def folder_architecture(pretrained: str | None) -> Architecture | None:
+    """The family architecture of the diffusers folder `pretrained`, by its pipeline class; None for another."""
+    index = Path(pretrained).expanduser() / "model_index.json" if pretrained is not None else None
+    if index is None or not index.is_file():
+        return None
+    return architecture_of_pipeline(json.loads(index.read_text()).get("_class_name"))
 
 
 def part_spec(name: str, spec: Any, pretrained: str | None, key: str = "model.params") -> Any:
-    """The spec of one part: as given, or by default the `name` subfolder of `pretrained`."""
+    """The spec of one part: as given, or by default its subfolder of `pretrained` (the part's name, or the one
+    its family's folders give it), read as the class the family gives it where not the default."""
     if spec is not None:
         return spec
     if pretrained is None:
         raise ConfigError(f"{key}.{name}: missing; give `{key}.pretrained: PATH` or `{key}.{name}.config`")
-    return {"pretrained": pretrained, "subfolder": name}
+    architecture = folder_architecture(pretrained)
+    if architecture is None:
+        return {"pretrained": pretrained, "subfolder": name}
+    target = {"target": architecture.part_classes[name]} if name in architecture.part_classes else {}
+    return {"pretrained": pretrained, "subfolder": architecture.folders.get(name, name), **target}
 
 
 def part_folder(spec: dict) -> Path:

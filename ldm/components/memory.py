@@ -8,6 +8,8 @@ from ldm.components import Parts
 from ldm.config import ConfigError
 
 ATTENTION = ("sdpa", "xformers", "math")
+# The attention processors of self- and cross-attention that `set_attention` may swap for one another.
+PLAIN_PROCESSORS = {"AttnProcessor", "AttnProcessor2_0", "XFormersAttnProcessor"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -31,7 +33,10 @@ def set_attention(parts: Parts, attention: str, key: str = "model.params.attenti
                     "use sdpa (the same kernels through PyTorch) or install ldm[xformers] on CUDA"
                 ) from None
         elif attention != "xformers" and hasattr(module, "set_attn_processor"):
-            module.set_attn_processor(AttnProcessor2_0() if attention == "sdpa" else AttnProcessor())
+            if all(type(p).__name__ in PLAIN_PROCESSORS for p in module.attn_processors.values()):
+                module.set_attn_processor(AttnProcessor2_0() if attention == "sdpa" else AttnProcessor())
+            elif attention == "math":  # its own processors (joint attention, say) call SDPA already
+                raise ConfigError(f"{key}: math: {type(module).__name__} has no plain attention here; use sdpa")
         elif attention != "xformers" and hasattr(module, "set_attn_implementation"):
             module.set_attn_implementation("sdpa" if attention == "sdpa" else "eager")
 

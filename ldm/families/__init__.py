@@ -17,10 +17,10 @@ keys and metadata).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from ldm.families import sd, sdxl  # the registry: one module per family
+from ldm.families import sd, sd35, sdxl  # the registry: one module per family
 from ldm.families.base import (
     CONFIGS,
     DEFAULT_CLASSES,
@@ -38,14 +38,38 @@ from ldm.families.base import (
 )
 
 __all__ = [
-    "ARCHITECTURES", "CONDITIONINGS", "COMPVIS_TEXT_ENCODERS", "FAMILIES", "LAYOUTS", "SUPPORTED", "FamilyName",
-    "architecture_of", "conditioning_for", "detect_family", "family_of", "layout_of_keys", "refused_pipeline",
-    "refuse_other_models", "CONFIGS", "DEFAULT_CLASSES", "NETWORK_PARTS", "OPTIONAL_PARTS", "PART_NAMES", "UNET",
-    "VAE", "Architecture", "Conditioning", "Family", "FileLayout", "PartsLike", "SingleFileError",
-]  # fmt: skip
+    "ARCHITECTURES",
+    "CONDITIONINGS",
+    "COMPVIS_TEXT_ENCODERS",
+    "FAMILIES",
+    "LAYOUTS",
+    "SUPPORTED",
+    "FamilyName",
+    "architecture_of",
+    "architecture_of_pipeline",
+    "conditioning_for",
+    "detect_family",
+    "family_of",
+    "layout_of_keys",
+    "refused_pipeline",
+    "refuse_other_models",
+    "CONFIGS",
+    "DEFAULT_CLASSES",
+    "NETWORK_PARTS",
+    "OPTIONAL_PARTS",
+    "PART_NAMES",
+    "UNET",
+    "VAE",
+    "Architecture",
+    "Conditioning",
+    "Family",
+    "FileLayout",
+    "PartsLike",
+    "SingleFileError",
+]
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (sd.ARCHITECTURE, sdxl.ARCHITECTURE)}
-FAMILIES: dict[str, Family] = {f.name: f for f in (*sd.FAMILIES, *sdxl.FAMILIES)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (sd.ARCHITECTURE, sdxl.ARCHITECTURE, sd35.ARCHITECTURE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (*sd.FAMILIES, *sdxl.FAMILIES, *sd35.FAMILIES)}
 FamilyName = Literal[tuple(FAMILIES)]  # for signatures: config checks then list exactly the families above
 # Most specific first: a file is of the first layout whose `detect_key` it holds.
 LAYOUTS: dict[str, FileLayout] = {
@@ -58,28 +82,40 @@ COMPVIS_TEXT_ENCODERS: dict[str, tuple[Family, str]] = {
     for a in ARCHITECTURES.values()
     for cls, (name, layer) in a.compvis_text_encoders.items()
 }
-SUPPORTED = "ldm trains " + " and ".join(a.title for a in ARCHITECTURES.values()) + " text-to-image models"
-# Models ldm does not train yet, by a key prefix of their single files (with or without UNET) and pipeline class.
-NOT_YET = {"joint_blocks.": "Stable Diffusion 3 (an MMDiT)", "double_blocks.": "Flux"}
-NOT_YET_PIPELINES = {"StableDiffusion3Pipeline": "Stable Diffusion 3 (an MMDiT)", "FluxPipeline": "Flux"}
+_TITLES = [a.title for a in ARCHITECTURES.values()]
+SUPPORTED = f"ldm trains {', '.join(_TITLES[:-1])} and {_TITLES[-1]} text-to-image models"
+# Models ldm does not read yet, by a key prefix of their single files (with or without UNET) and pipeline class.
+NOT_YET = {"joint_blocks.": "a Stable Diffusion 3 single file (read its diffusers folder)", "double_blocks.": "Flux"}
+NOT_YET_PIPELINES = {"FluxPipeline": "Flux"}
+
+
+def _most_fitting(
+    parts: Mapping[str, object], needed: Callable[[Architecture], tuple[str, ...]]
+) -> Architecture | None:
+    """Of the architectures whose `needed` parts `parts` all have (those whose pipeline takes their denoiser, if
+    any do), the one that needs the most."""
+    fitting = [a for a in ARCHITECTURES.values() if all(p in parts for p in needed(a))]
+    denoiser = type(parts.get("unet")).__name__
+    fitting = [a for a in fitting if denoiser in a.denoiser_classes] or fitting
+    return max(fitting, key=lambda a: len(needed(a))) if fitting else None
 
 
 def architecture_of(parts: Mapping[str, object]) -> Architecture:
     """The architecture of `parts` (networks, with or without tokenizers): of those whose text encoders they all
-    have, the one with the most."""
-    fitting = [a for a in ARCHITECTURES.values() if all(p in parts for p in a.text_encoders)]
-    if not fitting:
+    have (and whose pipeline takes their denoiser, if any), the one with the most."""
+    architecture = _most_fitting(parts, lambda a: a.text_encoders)
+    if architecture is None:
         raise ValueError(f"no family has the text encoders of parts {', '.join(parts)}")
-    return max(fitting, key=lambda a: len(a.text_encoders))
+    return architecture
 
 
 def conditioning_for(parts: Mapping[str, object]) -> str:
     """The name of the conditioning of `parts` (`CONDITIONINGS`): of those whose text parts (tokenizers and
-    encoders) they all have, the one that reads the most."""
-    fitting = [a for a in ARCHITECTURES.values() if all(p in parts for p in a.conditioning.text_parts)]
-    if not fitting:
+    encoders) they all have (and whose pipeline takes their denoiser, if any), the one that reads the most."""
+    architecture = _most_fitting(parts, lambda a: a.conditioning.text_parts)
+    if architecture is None:
         raise ValueError(f"no conditioning fits parts {', '.join(parts)}: each needs a tokenizer and text encoder")
-    return max(fitting, key=lambda a: len(a.conditioning.text_parts)).conditioning_name
+    return architecture.conditioning_name
 
 
 def family_of(parts: Any) -> Family | None:
@@ -112,6 +148,11 @@ def layout_of_keys(keys: Iterable[str]) -> str:
         if any(k.startswith(layout.signature) for k in keys):
             return layout.name
     return next(iter(ARCHITECTURES.values())).layouts[0].name
+
+
+def architecture_of_pipeline(class_name: str | None) -> Architecture | None:
+    """The architecture whose diffusers pipeline is `class_name` (a folder's `model_index.json` says), or None."""
+    return next((a for a in ARCHITECTURES.values() if a.pipeline_class == class_name), None)
 
 
 def refused_pipeline(class_name: str | None) -> str | None:

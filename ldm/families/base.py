@@ -16,7 +16,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 NETWORK_PARTS = ("unet", "vae", "text_encoder")
 PART_NAMES = (*NETWORK_PARTS, "tokenizer", "scheduler")
 # Parts a family may add (a second text encoder): built where a spec gives them or a diffusers folder has them.
-OPTIONAL_PARTS = ("text_encoder_2", "tokenizer_2")
+OPTIONAL_PARTS = ("text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
 # Each part's class where a spec names none.
 DEFAULT_CLASSES = {
     "unet": "diffusers.UNet2DConditionModel",
@@ -26,6 +26,8 @@ DEFAULT_CLASSES = {
     "scheduler": "diffusers.DDPMScheduler",
     "text_encoder_2": "transformers.CLIPTextModelWithProjection",
     "tokenizer_2": "transformers.CLIPTokenizer",
+    "text_encoder_3": "transformers.T5EncoderModel",
+    "tokenizer_3": "transformers.T5TokenizerFast",
 }
 # Where every UNet family's single files keep the UNet and the VAE (the CompVis layout).
 UNET, VAE = "model.diffusion_model.", "first_stage_model."
@@ -88,7 +90,10 @@ class Architecture:
     `refused_pipelines` does so for diffusers folders, by pipeline class. `pipeline` builds the diffusers
     pipeline of parts (with the sampling scheduler given), `pipeline_class` names it, `pipeline_options` are what
     `from_pretrained` then needs. `kohya_prefixes` are the kohya LoRA name prefixes by part; with
-    `kohya_original_unet` the UNet's modules are named by their original paths (`ldm.components.unet_layout`)."""
+    `kohya_original_unet` the UNet's modules are named by their original paths (`ldm.components.unet_layout`).
+    `denoiser_classes` are the classes its pipeline denoises with; `part_classes` the classes of its parts where
+    they are not `DEFAULT_CLASSES`', and `folders` the subfolders of its diffusers folders that are not named as
+    our parts are (the denoiser, our part `unet`, may be a folder's `transformer`)."""
 
     name: str
     title: str
@@ -100,6 +105,10 @@ class Architecture:
     pipeline: Callable[[PartsLike, Any], Any]
     pipeline_options: Mapping[str, Any] = field(default_factory=dict)
     kohya_original_unet: bool = False
+    denoiser_classes: tuple[str, ...] = ("UNet2DConditionModel",)
+    lora_files: bool = True  # whether ldm writes its LoRA files (kohya's and diffusers' formats)
+    part_classes: Mapping[str, str] = field(default_factory=dict)
+    folders: Mapping[str, str] = field(default_factory=dict)
     refuse_file: Callable[[Mapping[str, Any]], str | None] = lambda state: None
     refused_pipelines: Mapping[str, str] = field(default_factory=dict)
     compvis_text_encoders: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # class: (family, layer)
@@ -116,7 +125,7 @@ class Family:
     name: str
     title: str
     architecture: str  # its `Architecture`'s name
-    text_layout: str  # the `FileLayout` of its single files
+    text_layout: str | None  # the `FileLayout` of its single files (None: ldm reads and writes none yet)
     pad_token: str
     original_config: str | None  # the original inference YAML, in configs/models/original/ (None: files need none)
     modelspec: str  # the Stability AI model spec's architecture id (github.com/Stability-AI/ModelSpec)

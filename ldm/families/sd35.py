@@ -10,7 +10,7 @@ followed along the sequence by T5-XXL's last hidden states (zeros where the mode
 projected embeddings side by side are `pooled_projections`. The VAE has 16 latent channels, a scaling and a shift
 factor; the scheduler is `FlowMatchEulerDiscreteScheduler` with SD3's static shift 3.0.
 
-Not in the registry yet: ldm cannot train this family until its objective and parts are wired (issue 42, part 3).
+It trains with `model.params.objective: flow`; its single files are not read yet (issue 42, part 4).
 """
 
 from __future__ import annotations
@@ -72,12 +72,20 @@ ARCHITECTURE = Architecture(
     kohya_prefixes={"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"},
     pipeline_class="StableDiffusion3Pipeline",
     pipeline=_pipeline,
+    denoiser_classes=("SD3Transformer2DModel",),
+    part_classes={
+        "unet": "diffusers.SD3Transformer2DModel",
+        "text_encoder": "transformers.CLIPTextModelWithProjection",
+        "scheduler": "diffusers.FlowMatchEulerDiscreteScheduler",
+    },
+    folders={"unet": "transformer"},
+    lora_files=False,  # its kohya names (fused q/k/v) and diffusers' `transformer.` prefix are not mapped yet
 )
 
 NETWORKS = (*NETWORK_PARTS, "text_encoder_2", "text_encoder_3")
 FAMILIES = (
-    Family("sd35-medium", "Stable Diffusion 3.5 Medium", "sd35", "sd35", "<|endoftext|>", None,
+    Family("sd35-medium", "Stable Diffusion 3.5 Medium", "sd35", None, "<|endoftext|>", None,
            "stable-diffusion-v3.5-medium", "", NETWORKS, "!"),
-    Family("sd35-large", "Stable Diffusion 3.5 Large", "sd35", "sd35", "<|endoftext|>", None,
+    Family("sd35-large", "Stable Diffusion 3.5 Large", "sd35", None, "<|endoftext|>", None,
            "stable-diffusion-v3.5-large", "", NETWORKS, "!"),
 )  # fmt: skip

@@ -170,6 +170,11 @@ class LatentDiffusion(pl.LightningModule):
     def latent_scale(self) -> float:
         return float(self.vae.config.scaling_factor)
 
+    @property
+    def latent_shift(self) -> float:
+        """The VAE's `shift_factor` (SD3's, FLUX.1's), taken off before scaling; 0 for VAEs without one."""
+        return float(self.vae.config.get("shift_factor") or 0.0)
+
     def train(self, mode: bool = True) -> LatentDiffusion:
         """Switch to train mode, keeping frozen parts in eval mode."""
         super().train(mode)
@@ -214,13 +219,13 @@ class LatentDiffusion(pl.LightningModule):
 
     @torch.no_grad()
     def encode_posterior(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Images in [-1, 1] to the VAE posterior's mean and standard deviation, both times the VAE's
-        scaling factor. Training draws a latent from them every step; the deviation is None when
-        `sample_latents` is off, and training then uses the mean."""
+        """Images in [-1, 1] to the VAE posterior's mean (less the VAE's shift factor, if any) and standard
+        deviation, both times the VAE's scaling factor. Training draws a latent from them every step; the
+        deviation is None when `sample_latents` is off, and training then uses the mean."""
         self.configure_model()  # a latent cache encodes in the data's setup, before Lightning builds the model
         posterior = self.vae.encode(pixel_values.to(self.vae.device, self.vae.dtype)).latent_dist
         std = posterior.std.to(self.device) * self.latent_scale if self.sample_latents else None
-        return posterior.mean.to(self.device) * self.latent_scale, std
+        return (posterior.mean.to(self.device) - self.latent_shift) * self.latent_scale, std
 
     @property
     def text_parts(self) -> tuple[str, ...]:

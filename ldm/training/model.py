@@ -80,6 +80,8 @@ def latent_diffusion(
     scheduler: PartSpec | Any = None,
     text_encoder_2: PartSpec | torch.nn.Module | None = None,
     tokenizer_2: PartSpec | Any = None,
+    text_encoder_3: PartSpec | torch.nn.Module | None = None,
+    tokenizer_3: PartSpec | Any = None,
     trainable: Sequence[Literal["unet", "text_encoder", "text_encoder_2"]] = ("unet",),
     prediction_type: Literal["epsilon", "v_prediction"] | None = None,
     learning_rate: float = 1e-4,
@@ -114,9 +116,10 @@ def latent_diffusion(
 
     Parts: `pretrained` (a diffusers folder, an original single file or one of our checkpoints) gives
     every part not given on its own (`unet`, `vae`, ... as `{pretrained, subfolder}` or `{config}`, or
-    a module; a family's `text_encoder_2` and `tokenizer_2` where its weights have them). The prediction type
-    follows the weights; `prediction_type` may set it only for parts built from a config. `unet` may name
-    any denoiser class (`target`) that takes the call `denoiser(noisy, t, cond)` (see `ldm.backbones`).
+    a module; a family's `text_encoder_2`, `tokenizer_2`, `text_encoder_3`, `tokenizer_3` where its weights have
+    them). The prediction type follows the weights; `prediction_type` may set it only for parts built from a
+    config. `unet` (the denoiser, whatever its architecture: an SD3.5 folder's `transformer`) may name any
+    denoiser class (`target`) that takes the call `denoiser(noisy, t, cond)` (see `ldm.backbones`).
 
     `part_weights` loads a file of one part's weights (diffusers names, `.bin` / `.safetensors`) into the
     part built from its config; `architecture` lists configs the weights read must agree with; `lr_lambda`
@@ -175,7 +178,8 @@ def latent_diffusion(
     if trainable_dtype == "bfloat16":
         _check_bf16_training(optimization.optimizer["target"], lora)
     specs = {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler,
-             "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2}  # fmt: skip
+             "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2, "text_encoder_3": text_encoder_3,
+             "tokenizer_3": tokenizer_3}  # fmt: skip
     memory = {
         "attention": attention,
         "gradient_checkpointing": gradient_checkpointing,

@@ -58,6 +58,7 @@ def save_kohya_lora(parts: Parts, out: str | Path, about: Mapping[str, str] | No
     """Write the parts' adapters as one kohya-format `.safetensors` file (see `kohya_path`)."""
     from safetensors.torch import save_file
 
+    _check_lora_files(parts)
     state = kohya_state_dict(parts)
     if not state:
         raise ValueError(_NO_ADAPTERS)
@@ -110,6 +111,7 @@ def save_diffusers_lora(parts: Parts, out_dir: str | Path) -> Path:
     """Write the parts' adapters as `out_dir/pytorch_lora_weights.safetensors`, for `pipe.load_lora_weights`."""
     import diffusers
 
+    _check_lora_files(parts)
     layers = {f"{name}_lora_layers": lora_layers(m) for name, m in parts.networks.items() if lora_modules(m)}
     pipeline = getattr(diffusers, architecture_of(parts).pipeline_class)
     if not layers:
@@ -199,3 +201,13 @@ def _floating_tensors(file: Path) -> Iterator[tuple[str, torch.dtype, int]]:
 
 
 _NO_ADAPTERS = "no LoRA adapters to export: this checkpoint was not trained with model.params.lora"
+
+
+def _check_lora_files(parts: Parts) -> None:
+    """Refuse, by name, to write LoRA files of a family whose file names ldm does not map yet."""
+    architecture = architecture_of(parts)
+    if not architecture.lora_files:
+        raise ValueError(
+            f"ldm writes no {architecture.title} LoRA files yet; scripts/export_diffusers.py writes the model "
+            "with the adapters merged"
+        )

@@ -50,7 +50,10 @@ def make_portable(folder: str | Path) -> Path:
     folder = Path(folder)
     for name in folder_parts(folder) & {"text_encoder", *OPTIONAL_PARTS}:
         if name.startswith("tokenizer"):
-            write_both_tokenizer_forms(folder / name)
+            if _is_clip_tokenizer(folder / name):
+                write_both_tokenizer_forms(folder / name)
+            continue
+        if not (folder / name / "config.json").is_file():
             continue
         config = json.loads((folder / name / "config.json").read_text())
         for weights in sorted((folder / name).glob("*.safetensors")):
@@ -61,3 +64,9 @@ def make_portable(folder: str | Path) -> Path:
     write_both_tokenizer_forms(folder / "tokenizer")
     honour_umask(folder)
     return folder
+
+
+def _is_clip_tokenizer(folder: Path) -> bool:
+    """Whether the tokenizer folder holds a CLIP tokenizer (the kind whose two forms `make_portable` writes)."""
+    config = folder / "tokenizer_config.json"
+    return not config.is_file() or "CLIP" in json.loads(config.read_text()).get("tokenizer_class", "CLIP")

@@ -99,7 +99,10 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
     Where a family needs it, the original YAML goes beside it first (`config_beside`), so a published file has it.
     """
     family, extras = family_of(parts), extras_of(parts)
-    own = architecture_of(parts).layouts[0].name
+    architecture = architecture_of(parts)
+    if not architecture.layouts:
+        raise SingleFileError(f"ldm writes no {architecture.title} single file yet; export a diffusers folder")
+    own = architecture.layouts[0].name
     layout = text_layout or (family.text_layout if family else extras.text_layout if extras else own)
     state = to_original(parts, layout, half)
     placeholders = file_layout(layout).placeholder_keys
