@@ -1,5 +1,5 @@
 """Diffusion training math as pure functions: DDPM (Ho et al. 2020) of `alphas_cumprod`, EDM (Karras et
-al. 2022) of noise levels sigma, and flow matching (rectified flow, as Stable Diffusion 3 and FLUX.1 train it).
+al. 2022) of noise levels sigma, and flow matching (rectified flow, Esser et al. 2024).
 
 The DDPM objective is chosen by data: the prediction type (epsilon | v_prediction) and the loss weighting
 (`snr_gamma`: Min-SNR, or plain MSE); `ddpm_loss` is one training step's loss for any denoiser. Those
@@ -11,12 +11,12 @@ their loss weighting, and optionally the loss over the patches a masked denoiser
 al. 2024), each patch the mean of its pixels' losses.
 
 `flow_loss` is one flow-matching step (Esser et al. 2024, "Scaling Rectified Flow Transformers"): the noisy
-input (1 - sigma) x + sigma noise, the velocity noise - x as the target, sigma drawn logit-normal, by SD3's
-"mode" density or uniformly, then shifted (a static shift, SD3's 3.0, or `resolution_shift` of the image's token
-count, as FLUX.1 samples), and the loss weighted by none, `sigma_sqrt` or `cosmap`. These are checked against
+input (1 - sigma) x + sigma noise, the velocity noise - x as the target, sigma drawn logit-normal, by the paper's
+"mode" density or uniformly, then shifted (a static shift, the paper's 3.0, or `resolution_shift` of the image's
+token count), and the loss weighted by none, `sigma_sqrt` or `cosmap`. These are checked against
 diffusers' `training_utils.compute_density_for_timestep_sampling` / `compute_loss_weighting_for_sd3` and
 `FlowMatchEulerDiscreteScheduler`. One difference of orientation: the draw is the noise level itself, as in the
-SD3 paper and sd-scripts; diffusers' SD3 script uses it as an index into its descending timestep table, which
+paper and sd-scripts; diffusers' training script uses it as an index into its descending timestep table, which
 turns a positive `logit_mean` (more noise here) into less noise (the default mean 0 draws the same either way).
 
 Every random number of a step comes from a `Draws`: the global generator by default, or one generator per
@@ -294,9 +294,9 @@ def flow_levels(
     draws: Draws = GLOBAL_DRAWS,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """(batch,) noise levels in (0, 1) before any shift, as SD3 trains (Esser et al. 2024, section 3.1):
-    `logit_normal`, sigmoid of N(logit_mean, logit_std^2) (SD3: 0, 1); `mode`, u uniform mapped by
-    1 - u - mode_scale (cos^2(pi u / 2) - 1 + u), which favours the middle for a positive scale (SD3: 1.29);
+    """(batch,) noise levels in (0, 1) before any shift (Esser et al. 2024, section 3.1):
+    `logit_normal`, sigmoid of N(logit_mean, logit_std^2) (the paper's: 0, 1); `mode`, u uniform mapped by
+    1 - u - mode_scale (cos^2(pi u / 2) - 1 + u), which favours the middle for a positive scale (the paper's: 1.29);
     `uniform`. The numbers of diffusers' `compute_density_for_timestep_sampling` for the same draws."""
     if sampling == "logit_normal":
         return torch.sigmoid(logit_mean + logit_std * draws.normal(batch, (), device))
@@ -309,7 +309,7 @@ def flow_levels(
 
 
 def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
-    """Noise levels moved towards 1 by `shift` (SD3's 3.0; 1 leaves them): shift sigma / (1 + (shift - 1) sigma),
+    """Noise levels moved towards 1 by `shift` (the paper's 3.0; 1 leaves them): shift sigma / (1 + (shift - 1) sigma),
     the sigmas of diffusers' `FlowMatchEulerDiscreteScheduler(shift=...)`. Higher resolutions need more noise to
     hide the same image (Esser et al. 2024, section 5.3.2)."""
     return shift * sigma / (1 + (shift - 1) * sigma)
@@ -318,7 +318,7 @@ def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
 def resolution_shift(
     tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5, max_shift: float = 1.15
 ) -> float:
-    """The shift that follows an image's token count, as FLUX.1 samples: mu on the line through (base_tokens,
+    """The shift that follows an image's token count: mu on the line through (base_tokens,
     base_shift) and (max_tokens, max_shift) (diffusers' `calculate_shift`), and exp(mu) as `shift_sigmas`' shift,
     which equals the scheduler's exponential `time_shift(mu, 1, sigma)`."""
     slope = (max_shift - base_shift) / (max_tokens - base_tokens)
@@ -352,7 +352,7 @@ def flow_loss(
 ) -> torch.Tensor:
     """The flow-matching training loss of `denoiser(noisy, t, cond) -> velocity` on clean latents `x0`: a noise
     level per sample (`flow_levels`, then `shift_sigmas`), Gaussian noise, the timestep t = sigma *
-    `num_train_timesteps` (the scale SD3's and FLUX.1's transformers take), and the squared error against
+    `num_train_timesteps` (the scale diffusers' flow-matching transformers take), and the squared error against
     `flow_velocity`, weighted per sample by `flow_weight`. The noise level is drawn before the noise."""
     sigma = shift_sigmas(flow_levels(sampling, x0.shape[0], logit_mean, logit_std, mode_scale, draws, x0.device), shift)
     noise = draws.normal(x0.shape[0], x0.shape[1:], x0.device, x0.dtype)

@@ -144,21 +144,21 @@ def test_a_tiny_sd35_fine_tunes_samples_and_exports_the_same_images(tiny_sd35_fo
 
 
 def test_a_tiny_sd35_lora_trains_only_its_adapters(tiny_sd35_folder, image_folder, tmp_path):
-    from tests.helpers import finetune_args, train_once
-
-    lora = ("model.params.lora.rank=2", "model.params.lora.alpha=2", "lightning.callbacks.image_logger=null")
-    run = train_once(finetune_args(tiny_sd35_folder, image_folder, tmp_path, *FLOW, *lora), tmp_path)
-    state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
-    assert state and all("lora_" in k for k in state)
-    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state} == {"to_q", "to_k", "to_v", "0"}
     from diffusers import StableDiffusion3Pipeline
 
     from ldm.export import export_pipeline
     from ldm.weights.lora_file import save_diffusers_lora, save_kohya_lora
     from ldm.weights.read import parts_from_checkpoint
+    from tests.helpers import finetune_args, train_once
 
+    lora = ("model.params.lora.rank=2", "model.params.lora.alpha=2", "lightning.callbacks.image_logger=null")
+    run = train_once(finetune_args(tiny_sd35_folder, image_folder, tmp_path, *FLOW, *lora), tmp_path)
     ckpt = run / "checkpoints" / "last.ckpt"
-    parts = parts_from_checkpoint(torch.load(ckpt, map_location="cpu", weights_only=False), merge=False)
+    loaded = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = loaded["state_dict"]
+    assert state and all("lora_" in k for k in state)
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state} == {"to_q", "to_k", "to_v", "0"}
+    parts = parts_from_checkpoint(loaded, merge=False)
     for save in (save_kohya_lora, save_diffusers_lora):  # their names are not mapped yet: refused, not written wrong
         with pytest.raises(ValueError, match="ldm writes no Stable Diffusion 3.5 LoRA files yet"):
             save(parts, tmp_path / "lora")
@@ -172,16 +172,13 @@ def test_a_tiny_sd35_run_resumes_to_the_weights_of_an_unbroken_run(tiny_sd35_fol
     """Stopped after 2 steps and resumed with `-r auto`, a run with EMA ends where 4 unbroken steps do: the
     transformer's weights and the EMA's average to the bit."""
     from ldm.weights.checkpoint import load_checkpoint
-    from main import main
-    from tests.helpers import finetune_args
+    from tests.helpers import finetune_args, train_once
 
     def run(logs, steps, *extra):
         argv = finetune_args(tiny_sd35_folder, image_folder, logs, *FLOW, "lightning.callbacks.image_logger=null",
                              f"lightning.trainer.max_steps={steps}",
                              "lightning.modelcheckpoint.params.every_n_train_steps=2", *extra)  # fmt: skip
-        assert main(argv) == 0
-        (run_dir,) = logs.iterdir()
-        return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+        return load_checkpoint(train_once(argv, logs) / "checkpoints" / "last.ckpt")
 
     unbroken = run(tmp_path / "unbroken", 4)
     run(tmp_path / "broken", 2)

@@ -391,8 +391,6 @@ def test_the_sdxl_8gb_preset_resumes_to_the_weights_of_an_unbroken_run(tiny_sdxl
     """sdxl-8gb.yaml (bf16 UNet, LowMemoryAdamW fused with its state offloaded, caches, frozen networks held on the
     CPU) stopped after 2 steps and resumed with `-r auto` ends where 4 unbroken steps do, weights and 8-bit state
     to the bit (on this CPU the offloaded state and the weights share a device; the GPU case is unrun)."""
-    from main import main
-
     preset = REPO / "configs" / "finetune" / "sdxl-8gb.yaml"
 
     def run(logs, steps, *extra):
@@ -400,9 +398,7 @@ def test_the_sdxl_8gb_preset_resumes_to_the_weights_of_an_unbroken_run(tiny_sdxl
                 f"data.params.root={image_folder}", "data.params.size=16", "data.params.batch_size=2",
                 "data.params.num_workers=0", "model.params.learning_rate=1e-3", f"lightning.trainer.max_steps={steps}",
                 "lightning.modelcheckpoint.params.every_n_train_steps=2", *extra]  # fmt: skip
-        assert main(argv) == 0
-        (run_dir,) = logs.iterdir()
-        return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+        return load_checkpoint(train_once(argv, logs) / "checkpoints" / "last.ckpt")
 
     unbroken = run(tmp_path / "unbroken", 4)
     run(tmp_path / "broken", 2)

@@ -1,9 +1,10 @@
-"""A diffusers transformer (SD3's `SD3Transformer2DModel`, FLUX.1's) as a denoiser: its `forward` takes the noisy
-latents as `hidden_states`, the `timestep`, and the conditioning by name (`encoder_hidden_states`,
-`pooled_projections`, ...), as a family's conditioning makes it (`ldm.families`)."""
+"""A diffusers transformer as a denoiser: its `forward` takes the noisy latents as `hidden_states`, the `timestep`,
+and the conditioning by name (`encoder_hidden_states`, `pooled_projections`, ...), as a family's conditioning
+makes it (`ldm.families`)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,7 +14,13 @@ import torch
 
 def is_diffusers_transformer(module: torch.nn.Module) -> bool:
     """Whether `module`'s forward is a diffusers transformer's: `hidden_states` and `timestep` by name."""
-    parameters = inspect.signature(module.forward).parameters
+    return _takes_hidden_states(type(module))
+
+
+@functools.cache
+def _takes_hidden_states(cls: type) -> bool:
+    """Per class, once: `as_denoiser` asks at every training step."""
+    parameters = inspect.signature(cls.forward).parameters
     return "hidden_states" in parameters and "timestep" in parameters
 
 

@@ -172,7 +172,7 @@ class LatentDiffusion(pl.LightningModule):
 
     @property
     def latent_shift(self) -> float:
-        """The VAE's `shift_factor` (SD3's, FLUX.1's), taken off before scaling; 0 for VAEs without one."""
+        """The VAE's `shift_factor`, taken off before scaling; 0 for VAEs without one."""
         return float(self.vae.config.get("shift_factor") or 0.0)
 
     def train(self, mode: bool = True) -> LatentDiffusion:

@@ -20,9 +20,9 @@ class Objective:
     """What the denoiser learns: DDPM (Ho et al. 2020; the scheduler's prediction type, Min-SNR weighting);
     EDM (Karras et al. 2022) with log-normal noise levels, optionally on a `mask_ratio` share of patches dropped
     after a patch mixer (MicroDiT, Sehwag et al. 2024; the denoiser then has `num_patches` and takes `keep`); or
-    flow matching (Lipman et al. 2023; Esser et al. 2024: SD3), the denoiser predicting the velocity noise - x0,
+    flow matching (Lipman et al. 2023; Esser et al. 2024), the denoiser predicting the velocity noise - x0,
     noise levels drawn by `sampling` and shifted by `shift` (None: the scheduler's; "resolution": by the image's
-    token count, as FLUX.1), the loss weighted by `weighting` (`ldm.diffusion.flow_loss`)."""
+    token count), the loss weighted by `weighting` (`ldm.diffusion.flow_loss`)."""
 
     kind: str = "ddpm"  # ddpm | edm | flow
     p_mean: float = -0.6
@@ -65,7 +65,7 @@ def flow_shift(objective: Objective, scheduler: Any, module: torch.nn.Module, la
     if isinstance(objective.shift, (int, float)):
         return float(objective.shift)
     if objective.shift == "resolution" or config.get("use_dynamic_shifting"):
-        patch = int(getattr(module.config, "patch_size", None) or 1) if hasattr(module, "config") else 1
+        patch = int(getattr(getattr(module, "config", None), "patch_size", None) or 1)
         tokens = (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
         return diffusion.resolution_shift(
             tokens,

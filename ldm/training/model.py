@@ -118,7 +118,7 @@ def latent_diffusion(
     every part not given on its own (`unet`, `vae`, ... as `{pretrained, subfolder}` or `{config}`, or
     a module; a family's `text_encoder_2`, `tokenizer_2`, `text_encoder_3`, `tokenizer_3` where its weights have
     them). The prediction type follows the weights; `prediction_type` may set it only for parts built from a
-    config. `unet` (the denoiser, whatever its architecture: an SD3.5 folder's `transformer`) may name any
+    config. `unet` (the denoiser, whatever its architecture: a folder's `transformer`, say) may name any
     denoiser class (`target`) that takes the call `denoiser(noisy, t, cond)` (see `ldm.backbones`).
 
     `part_weights` loads a file of one part's weights (diffusers names, `.bin` / `.safetensors`) into the

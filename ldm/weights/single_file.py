@@ -104,12 +104,10 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
         raise SingleFileError(f"ldm writes no {architecture.title} single file yet; export a diffusers folder")
     own = architecture.layouts[0].name
     layout = text_layout or (family.text_layout if family else extras.text_layout if extras else own)
-    state = to_original(parts, layout, half)
-    placeholders = file_layout(layout).placeholder_keys
-    state.update({k: v for k, v in writable(parts, half).items() if k not in state or k in placeholders})
+    state, written = to_original(parts, layout, half), file_layout(layout)
+    state.update({k: v for k, v in writable(parts, half).items() if k not in state or k in written.placeholder_keys})
     schedule = parts.scheduler.config
-    markers = file_layout(layout).markers.items()
-    state.update({k: torch.tensor([]) for k, (key, value) in markers if schedule.get(key) == value})
+    state.update({k: torch.tensor([]) for k, (key, value) in written.markers.items() if schedule.get(key) == value})
     meta = {
         "family": family.name if family else "custom",
         "text_layout": layout,
