@@ -188,3 +188,50 @@ def test_a_tiny_sd35_run_resumes_to_the_weights_of_an_unbroken_run(tiny_sd35_fol
     assert unet and all(torch.equal(v, resumed["state_dict"][k]) for k, v in unet.items())
     ema_a, ema_b = unbroken["ema_state_dict"], resumed["ema_state_dict"]
     assert ema_a and all(torch.equal(v, ema_b[k]) for k, v in ema_a.items())
+
+
+def test_a_cached_sd35_run_trains_exactly_as_encoding_every_step(tiny_sd35_folder, image_folder, tmp_path):
+    """Latents (shifted, then scaled) and the three encoders' states encoded once train as encoding them every
+    step; with the caches, T5 never runs in a step."""
+    from tests.helpers import finetune_args, train_once
+
+    def losses(name: str, *extra: str) -> list[float]:
+        logdir, rec = tmp_path / name, tmp_path / f"{name}.jsonl"
+        train_once(finetune_args(tiny_sd35_folder, image_folder, logdir, *FLOW, "lightning.callbacks.image_logger=null",
+                                 "data.params.flip=false", "data.params.caption_dropout=0.5",
+                                 "lightning.callbacks.rec.target=tests.helpers.RecordLosses",
+                                 f"lightning.callbacks.rec.params.path={rec}", *extra), logdir)  # fmt: skip
+        return [json.loads(line)["loss"] for line in rec.read_text().splitlines()]
+
+    every_step = losses("every_step")
+    cached = losses("cached", "data.params.cache_latents=true", "data.params.cache_text=true")
+    torch.testing.assert_close(torch.tensor(cached), torch.tensor(every_step), rtol=1e-5, atol=1e-6)
+
+
+def test_sd35_trains_from_precomputed_shards_without_running_an_encoder(tiny_sd35_folder, tmp_path, monkeypatch):
+    """`ldm-precompute` encodes images and captions once (latents shifted and scaled, the three encoders' states);
+    the transformer then trains on the shards with neither the VAE nor any text encoder running."""
+    from ldm.cli.precompute import main as precompute
+    from ldm.systems.latent_diffusion import LatentDiffusion
+    from main import main
+    from tests.conftest import REPO, write_images
+    from tests.helpers import SD_FOLDER
+
+    write_images(tmp_path / "images", n=6, size=(24, 20))
+    common = (f"model.params.pretrained={tiny_sd35_folder}", *FLOW)
+    assert precompute(["-b", str(SD_FOLDER), "--out", str(tmp_path / "shards"), *common,
+                       f"data.params.root={tmp_path / 'images'}", "data.params.size=16",
+                       "data.params.num_workers=0"]) == 0  # fmt: skip
+    manifest = json.loads((tmp_path / "shards" / "ldm_shards.json").read_text())
+    assert (manifest["conditioning"], manifest["shift_factor"]) == ("sd35", 0.0609)
+    assert manifest["cond_shapes"]["encoder_hidden_states"][0] == 77 + 256
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an encoder ran in training")
+
+    monkeypatch.setattr(LatentDiffusion, "encode_posterior", refuse)
+    monkeypatch.setattr(LatentDiffusion, "encode_text", refuse)
+    argv = ["-t", "-b", str(REPO / "configs" / "pretrain" / "tiny-shards.yaml"), "-l", str(tmp_path / "logs"),
+            *common, "model.params.unet=null", f"data.params.sources=[{{path: {tmp_path / 'shards'}}}]",
+            "data.params.batch_size=2", "lightning.trainer.max_steps=2"]  # fmt: skip
+    assert main(argv) == 0

@@ -306,6 +306,7 @@ def _finish(
         "cond_shapes": {name: list(value.shape) for name, value in unconditional.items()},
         "latent_shape": first.get("latent_shape"),
         "scaling_factor": model.latent_scale,
+        "shift_factor": model.latent_shift,
         "sample_latents": sample_latents,
         "resolution": first.get("image_size"),
         "encoders": _describe_encoders(model),

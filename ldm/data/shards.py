@@ -56,7 +56,8 @@ from ldm.data.shard_loader import ShardLoader
 log = logging.getLogger(__name__)
 
 # Manifest entries that must agree between sources: shards of other encoders cannot be trained together.
-MUST_AGREE = ("conditioning", "cond_shapes", "scaling_factor", "encoders")
+MUST_AGREE = ("conditioning", "cond_shapes", "scaling_factor", "shift_factor", "encoders")
+UNRECORDED = {"shift_factor": 0.0}  # what a manifest from before an entry was recorded meant
 
 
 class Source(TypedDict, total=False):
@@ -229,7 +230,7 @@ class ShardDataModule(pl.LightningDataModule):
         first = self.manifests[0]
         for i, manifest in enumerate(self.manifests[1:], start=1):
             for entry in MUST_AGREE:
-                if manifest.get(entry) != first.get(entry):
+                if manifest.get(entry, UNRECORDED.get(entry)) != first.get(entry, UNRECORDED.get(entry)):
                     raise ConfigError(
                         f"data.params.sources[{i}]: its shards were precomputed with another {entry} than "
                         f"sources[0]'s ({self.sources[i]['path']} vs {self.sources[0]['path']}); precompute both "
