@@ -2,11 +2,14 @@
 
     python benchmarks/gpu_8gb.py [--steps 20] [--cap-gib 8] [--preset configs/finetune/sd15-8gb.yaml]
     python benchmarks/gpu_8gb.py --family sdxl [--steps 10]     # sdxl-8gb.yaml, SDXL at 1024 px
+    python benchmarks/gpu_8gb.py --family sd35-medium [--steps 10]   # sd35m-8gb.yaml, SD3.5 Medium at 1024 px
 
 SD 1.5 (default): the preset is Colossal-AI's, so this needs the Colossal-AI environment
 (`pip install -e .[colossalai]`, plus `pip install --no-deps open_clip_torch` for the CLIP vocabulary);
 512 px. SDXL: `configs/finetune/sdxl-8gb.yaml` (bf16 UNet, LowMemoryAdamW fused and offloaded, cached
-latents and captions, frozen networks on the CPU) in the main environment; 1024 px. Weights are random
+latents and captions, frozen networks on the CPU) in the main environment; 1024 px. SD3.5 Medium:
+`configs/finetune/sd35m-8gb.yaml` (the same, for the MMDiT and its three text encoders; ~16 GB of random weights
+written to the temporary folder, T5-XXL's 9.5 of them); 1024 px. Weights are random
 (the real component configs in configs/models/, so sizes and speed are real); the data is random images.
 Each side runs in its own process, capped with `torch.cuda.set_per_process_memory_fraction`.
 Each run is `ldm.training.run.train` on the preset, so it is the path users run; the baseline swaps in
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -92,9 +96,54 @@ def random_sdxl(out: Path) -> Path:
     return out
 
 
+def random_sd35(out: Path, src: Path = REPO / "configs" / "models" / "sd35-medium") -> Path:
+    """A diffusers folder with SD3.5's real component configs (in `src`: Medium's), random bf16 weights, the real
+    CLIP tokenizers and a T5 tokenizer trained offline (no T5 vocabulary ships in a package; its ids are T5's)."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
+
+    from examples.tiny_sd35 import write_t5_tokenizer
+    from ldm.components.tokenizers import write_clip_tokenizer
+
+    def from_config(cls: type, name: str) -> Any:  # a diffusers class
+        return cls.from_config(cls.load_config(src / name))
+
+    def clip(name: str) -> CLIPTextModelWithProjection:
+        return CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(src / name)).to(torch.bfloat16)
+
+    write_clip_tokenizer(out / "tokenizer")
+    write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
+    pipe = StableDiffusion3Pipeline(
+        transformer=from_config(SD3Transformer2DModel, "unet").to(torch.bfloat16),
+        vae=from_config(AutoencoderKL, "vae").to(torch.bfloat16),
+        text_encoder=clip("text_encoder"),
+        text_encoder_2=clip("text_encoder_2"),
+        text_encoder_3=T5EncoderModel(T5Config.from_pretrained(src / "text_encoder_3")).to(torch.bfloat16),
+        tokenizer=CLIPTokenizer.from_pretrained(out / "tokenizer"),
+        tokenizer_2=CLIPTokenizer.from_pretrained(out / "tokenizer_2"),
+        tokenizer_3=T5TokenizerFast.from_pretrained(write_t5_tokenizer(out / "tokenizer_3")),
+        scheduler=from_config(FlowMatchEulerDiscreteScheduler, "scheduler"),
+    )
+    pipe.save_pretrained(out)
+    return out
+
+
 FAMILIES = {  # weights, preset, image size
     "sd15": (random_sd15, REPO / "configs" / "finetune" / "sd15-8gb.yaml", 512),
     "sdxl": (random_sdxl, REPO / "configs" / "finetune" / "sdxl-8gb.yaml", 1024),
+    "sd35-medium": (random_sd35, REPO / "configs" / "finetune" / "sd35m-8gb.yaml", 1024),
 }
 
 
@@ -143,6 +192,7 @@ PLAIN = {  # Lightning's default strategy, mixed-precision autocast and torch Ad
     "sdxl": ["model.params.optimizer.target=torch.optim.AdamW", "model.params.optimizer.params={weight_decay: 0.01}",
              "model.params.trainable_dtype=null", "model.params.frozen_device=null"],
 }  # fmt: skip
+PLAIN["sd35-medium"] = PLAIN["sdxl"]  # the same recipe: fp32 weights and AdamW, every network on the GPU
 
 
 def main() -> None:

@@ -110,10 +110,13 @@ def write_tiny_sd35(out_dir: str | Path, family: str = "sd35-medium", seed: int 
         tokenizer_3 = T5TokenizerFast.from_pretrained(write_t5_tokenizer(out_dir / "tokenizer_3"))
         config = T5Config(**TINY_T5, vocab_size=len(tokenizer_3), pad_token_id=0, eos_token_id=1)
         three = {"text_encoder_3": T5EncoderModel(config), "tokenizer_3": tokenizer_3}
+    clip_l = CLIPTextModelWithProjection(CLIPTextConfig(**TINY_CLIP_L))
+    with torch.no_grad():  # SD3's CLIP-L projects by the identity: its single files hold no projection
+        clip_l.text_projection.weight.copy_(torch.eye(TINY_CLIP_L["hidden_size"]))
     pipe = StableDiffusion3Pipeline(
         transformer=SD3Transformer2DModel(**TINY_MMDIT, dual_attention_layers=MMDIT_X[family]),
         vae=AutoencoderKL(**TINY_SD3_VAE),
-        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**TINY_CLIP_L)),
+        text_encoder=clip_l,
         text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**TINY_CLIP_G)),
         tokenizer=CLIPTokenizer.from_pretrained(out_dir / "tokenizer"),
         tokenizer_2=CLIPTokenizer.from_pretrained(out_dir / "tokenizer_2"),

@@ -52,14 +52,16 @@ def convert(
     ema: bool = False,
     family: str | None = None,
     trust_pickle: bool = False,
+    part_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write `src`'s weights to `dst`: a `.safetensors` / `.ckpt` path is a single file, anything else a folder."""
+    """Write `src`'s weights to `dst`: a `.safetensors` / `.ckpt` path is a single file, anything else a folder.
+    A single file's text encoders may come from `part_files` (`ldm.weights.single_file.load_single_file`)."""
     dst = Path(dst)
     if dst.suffix not in (".safetensors", *PICKLE_SUFFIXES) and dst.suffix:
         raise ValueError(f"--dst {dst}: a folder (no suffix) for diffusers, or a .safetensors / .ckpt single file")
     if dst.exists() and (dst.is_file() or any(dst.iterdir())):
         raise FileExistsError(f"--dst {dst}: exists; choose a new path (nothing is overwritten)")
-    parts = read_parts(src, ema, family, trust_pickle)
+    parts = read_parts(src, ema, family, trust_pickle, part_files=part_files)
     if dst.suffix:
         return save_single_file(parts, dst, half)
     return write_pipeline(parts, dst, half=half)

@@ -30,6 +30,7 @@ EDM_SAMPLERS = {"euler": "EDMEulerScheduler", "ddim": "EDMEulerScheduler", "dpm+
 # A flow-matching model samples with diffusers' flow-matching schedulers, which step along its velocity.
 FLOW_SAMPLERS = {"euler": "FlowMatchEulerDiscreteScheduler", "ddim": "FlowMatchEulerDiscreteScheduler",
                  "heun": "FlowMatchHeunDiscreteScheduler"}  # fmt: skip
+SAMPLER_NAMES = tuple(dict.fromkeys([*SAMPLERS, *FLOW_SAMPLERS]))  # what `--sampler` takes: each model checks its own
 
 
 class SamplingStopped(Exception):
@@ -114,10 +115,12 @@ def sample(
     height: int | None = None,
     width: int | None = None,
     stop: Callable[[], bool] | None = None,
+    options: dict | None = None,
 ) -> list[Image.Image]:
     """Generate `num_per_prompt` images for each prompt, prompt-major, reproducibly from `seed`.
 
-    `stop` is asked after every denoising step; when it returns True, `SamplingStopped` is raised."""
+    `stop` is asked after every denoising step; when it returns True, `SamplingStopped` is raised. `options` go to
+    the pipeline's call as they are (the caption encoding's, as trained: `max_sequence_length`, say)."""
 
     def check_stop(pipe: DiffusionPipeline, step: int, timestep: int, tensors: dict) -> dict:
         if stop is not None and stop():
@@ -136,6 +139,7 @@ def sample(
             height=height,
             width=width,
             callback_on_step_end=check_stop,
+            **(options or {}),
         )
         images.extend(out.images)
     return images

@@ -87,6 +87,17 @@ def tiny_sdxl(tmp_path_factory) -> Path:
     return write_tiny_sdxl(tmp_path_factory.mktemp("tiny-sdxl"))
 
 
+@pytest.fixture(scope="session")
+def tiny_sd35_medium(tmp_path_factory) -> Path:
+    from examples.tiny_sd35 import write_tiny_sd35
+    from tests.helpers import NO_SD35, has_sd35_layers
+
+    if not has_sd35_layers():
+        pytest.skip(NO_SD35)
+
+    return write_tiny_sd35(tmp_path_factory.mktemp("tiny-sd35"), "sd35-medium")
+
+
 def write_images(root: Path, n: int = 6, size: tuple[int, int] = (24, 20), metadata: bool = False) -> Path:
     """`n` random RGB images with captions, as .txt files or a metadata.jsonl."""
     root.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """Test helpers: main.py arguments for a tiny fine-tune, and plug-ins named by `target` in configs."""
 
+import inspect
 import json
 import os
 import signal
@@ -82,6 +83,16 @@ def run_command(command: list[str], env: dict | None = None, timeout: float = HU
 def run_main(*argv: str, env: dict | None = None, timeout: float = HUNG) -> subprocess.CompletedProcess:
     """main.py in a new process (where a kill -9 cannot hit pytest, and Lightning can start other ranks)."""
     return run_command([sys.executable, "main.py", *map(str, argv)], env, timeout)
+
+
+NO_SD35 = "this diffusers predates SD3.5's layers (MMDiT-X, QK-norm): the Colossal-AI stack's 0.29 does"
+
+
+def has_sd35_layers() -> bool:
+    """Whether the installed diffusers builds SD3.5's transformer (Medium's MMDiT-X layers)."""
+    from diffusers import SD3Transformer2DModel
+
+    return "dual_attention_layers" in inspect.signature(SD3Transformer2DModel.__init__).parameters
 
 
 def finetune_args(tiny_sd, images, logdir, *extra) -> list[str]:

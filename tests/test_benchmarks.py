@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_command
+from tests.helpers import NO_SD35, has_sd35_layers, run_command
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("colossalai") is not None, reason="benchmark smoke runs in the default stack only"
@@ -144,3 +144,39 @@ def test_gpu_microdit_smoke_on_a_cpu(tmp_path):
         (run,) = result["runs"][variant]
         assert run["batch"] == 2 and run["images_per_s"] > 0 and 0 < run["mfu"] < 1, run
     assert headline.startswith("gpu microdit: tiny MicroDiT on a CPU (smoke), masked ")
+
+
+@pytest.mark.skipif(not has_sd35_layers(), reason=NO_SD35)
+def test_gpu_8gb_writes_an_sd35_folder_from_the_family_configs(tmp_path):
+    """`gpu_8gb.py --family sd35-medium` needs a GPU; the folder of random weights it trains is written here from
+    tiny configs laid out as `configs/models/sd35-medium/` is, and diffusers loads and samples it offline."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from safetensors.torch import load_file
+    from transformers import CLIPTextConfig, T5Config
+
+    from benchmarks.gpu_8gb import FAMILIES, random_sd35
+    from examples.tiny_sd35 import TINY_CLIP_G, TINY_CLIP_L, TINY_MMDIT, TINY_SD3_VAE, TINY_T5
+
+    src = tmp_path / "configs"
+    SD3Transformer2DModel(**TINY_MMDIT, dual_attention_layers=(0,)).save_config(src / "unet")
+    AutoencoderKL(**TINY_SD3_VAE).save_config(src / "vae")
+    CLIPTextConfig(**TINY_CLIP_L).save_pretrained(src / "text_encoder")
+    CLIPTextConfig(**TINY_CLIP_G).save_pretrained(src / "text_encoder_2")
+    T5Config(**TINY_T5).save_pretrained(src / "text_encoder_3")
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_config(src / "scheduler")
+    assert FAMILIES["sd35-medium"][:2] == (random_sd35, REPO / "configs" / "finetune" / "sd35m-8gb.yaml")
+
+    folder = random_sd35(tmp_path / "sd35", src)
+    for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        (weights,) = (folder / part).glob("*.safetensors")
+        assert {t.dtype for t in load_file(weights).values()} == {torch.bfloat16}, part
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, local_files_only=True, torch_dtype=torch.float32)
+    assert list(pipe.transformer.config.dual_attention_layers) == [0]
+    image = pipe("a cat", num_inference_steps=1, height=16, width=16, output_type="np").images
+    assert image.shape == (1, 16, 16, 3)

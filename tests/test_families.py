@@ -33,8 +33,14 @@ def test_every_family_has_its_architecture_layout_and_configs():
             assert (CONFIGS / "original" / family.original_config).is_file()
 
 
-def test_a_files_layout_is_told_by_its_text_encoder_keys():
+def test_a_files_layout_is_told_by_its_text_encoder_keys_or_its_own_denoiser():
+    """A UNet layout by its text encoders' keys; a layout with a denoiser of its own (an MMDiT) by that denoiser's
+    keys, since its files may hold no text encoder."""
     for layout in LAYOUTS.values():
         keys = [prefix + "x.weight" for _, prefix, _ in layout.text]
         assert layout_of_keys(["model.diffusion_model.conv_in.weight", *keys]) == layout.name
-        assert layout.detect_key.startswith(tuple(prefix for _, prefix, _ in layout.text))
+        if layout.denoiser is None:
+            assert layout.detect_key.startswith(tuple(prefix for _, prefix, _ in layout.text))
+        else:
+            assert layout.detect_key.startswith("model.diffusion_model.")
+            assert layout_of_keys([layout.detect_key, "first_stage_model.x.weight"]) == layout.name

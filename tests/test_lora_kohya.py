@@ -103,7 +103,7 @@ def test_real_size_kohya_file_keys_and_metadata(family, version, architecture):
     assert state[f"{KNOWN_UNET}.alpha"].shape == () and state[f"{KNOWN_UNET}.alpha"].dtype == torch.float32
     assert tuple(state[f"{KNOWN_UNET}.lora_down.weight"].shape) == (4, 320)
     assert tuple(state[f"{KNOWN_UNET}.lora_up.weight"].shape) == (320, 4)
-    meta = kohya_metadata(parts, state, "my-lora")
+    meta = kohya_metadata(parts, "my-lora")
     assert meta["ss_network_module"] == "networks.lora"
     assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("4", "2.0")
     assert meta["ss_base_model_version"] == version

@@ -10,6 +10,7 @@ from ldm.config import load_config
 from ldm.training.memory import GIB, plan_training_step
 from ldm.training.optim import LowMemoryAdamW
 from ldm.training.placement import place
+from tests.helpers import NO_SD35, has_sd35_layers
 
 SD_FOLDER = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "sd-folder.yaml"
 
@@ -66,20 +67,30 @@ def test_a_colossal_preset_is_planned_without_colossal_ai(tiny_sd, image_folder)
         assert lacks == []
 
 
-@pytest.mark.parametrize("preset", ["sdxl-8gb", "sdxl-lora-8gb"])
-def test_sdxl_8gb_presets_are_traced_as_they_train(preset, tiny_sdxl, image_folder):
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+@pytest.mark.parametrize(
+    ("preset", "tiny", "text_encoders"),
+    [("sdxl-8gb", "tiny_sdxl", 2), ("sdxl-lora-8gb", "tiny_sdxl", 2), ("sd35m-8gb", "tiny_sd35_medium", 3),
+     ("sd35m-lora-8gb", "tiny_sd35_medium", 3), ("sd35l-lora-24gb", "tiny_sd35_medium", 3)],
+)  # fmt: skip
+def test_low_memory_presets_are_traced_as_they_train(preset, tiny, text_encoders, request, image_folder):
     """bf16 weights, LowMemoryAdamW fused and offloaded (its state made before the step), LoRA adapters, cached
-    latents and captions: the fake trace agrees with a real one, and the placement keeps the frozen networks
-    and the offloaded state off the GPU."""
+    latents and captions, SD3.5's MMDiT and its three text encoders: the fake trace agrees with a real one, and the
+    placement keeps the frozen networks and the offloaded state off the GPU."""
     cfg, _ = load_config(
         [SD_FOLDER.parent / f"{preset}.yaml"],
-        [f"model.params.pretrained={tiny_sdxl}", f"data.params.root={image_folder}", "data.params.size=32"],
-    )
+        [f"model.params.pretrained={request.getfixturevalue(tiny)}", f"data.params.root={image_folder}",
+         "data.params.size=32"],
+    )  # fmt: skip
     fake, real = plan_training_step(cfg), plan_training_step(cfg, fake=False)
     assert fake.peak == real.peak > 0 and fake.parts == real.parts
+    names = TEXT_ENCODERS[:text_encoders]
+    assert [p.name for p in fake.parts] == ["unet", "vae", *names]
     parts = {p.name: p for p in fake.parts}
     unet = parts["unet"]
-    if preset == "sdxl-8gb":
+    if "lora" not in preset:
         assert unet.weights == 2 * unet.parameters, "bf16 weights"
         assert unet.gradients == 0, "the fused step keeps no gradients"
         assert unet.parameters < unet.optimizer_states < 2 * unet.parameters, "8-bit moment + factored (AdamW: 8 bytes)"
@@ -89,9 +100,37 @@ def test_sdxl_8gb_presets_are_traced_as_they_train(preset, tiny_sdxl, image_fold
         assert unet.optimizer_states == 2 * unet.gradients > 0, "AdamW's two fp32 moments of the adapters only"
     placement = place(fake, cfg)
     on_cpu = {(part, state) for part, state, device, nbytes in placement.rows if device == "cpu" and nbytes}
-    frozen = {(name, "weights (frozen)") for name in ("vae", "text_encoder", "text_encoder_2")}
-    assert on_cpu == (frozen | {("unet", "optimizer state")} if preset == "sdxl-8gb" else frozen)
+    frozen = {(name, "weights (frozen)") for name in ("vae", *names)}
+    assert on_cpu == (frozen if "lora" in preset else frozen | {("unet", "optimizer state")})
     assert placement.total("gpu") + placement.total("cpu") == fake.peak
+
+
+def test_an_sd35_step_is_planned_with_its_objective(tiny_sd35_medium, image_folder):
+    """The traced step is the one the config trains: SD3.5's flow step; a DDPM objective is refused, as in training."""
+    from ldm.config import ConfigError
+
+    preset = SD_FOLDER.parent / "sd35m-lora-8gb.yaml"
+    args = [f"model.params.pretrained={tiny_sd35_medium}", f"data.params.root={image_folder}", "data.params.size=16"]
+    cfg, _ = load_config([preset], [*args, "model.params.objective=ddpm"])
+    with pytest.raises(ConfigError, match="objective: ddpm cannot train with the scheduler FlowMatchEulerDiscrete"):
+        plan_training_step(cfg)
+
+
+@pytest.mark.skipif(not has_sd35_layers(), reason=NO_SD35)
+def test_an_architecture_folder_is_planned_with_its_family_classes():
+    """`configs/models/<family>/` holds configs only, no `model_index.json`: its family gives the parts' classes
+    (SD3.5's transformer, CLIP with projection, flow scheduler) and its further text encoders are found."""
+    from ldm.families import CONFIGS
+    from ldm.training.memory import _network_names, _part_config, _spec
+
+    params = {"pretrained": str(CONFIGS / "sd35-medium")}
+    assert _network_names(params) == ("unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+    classes = {name: _part_config(params, name)[0].__name__ for name in _network_names(params)}
+    assert classes == {"unet": "SD3Transformer2DModel", "vae": "AutoencoderKL",
+                       "text_encoder": "CLIPTextModelWithProjection", "text_encoder_2": "CLIPTextModelWithProjection",
+                       "text_encoder_3": "T5EncoderModel"}  # fmt: skip
+    assert _spec(params, "scheduler")["target"] == "diffusers.FlowMatchEulerDiscreteScheduler"
+    assert _network_names({"pretrained": str(CONFIGS / "sdxl")}) == ("unet", "vae", "text_encoder", "text_encoder_2")
 
 
 def test_shards_are_planned_as_precomputed_latents_and_captions(tiny_sd, image_folder):

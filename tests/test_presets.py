@@ -14,12 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "finetune").glob("*.yaml"))
 COLOSSAL = {"sd15-8gb", "sd15-24gb", "sd15-nvme", "sd2-base-8gb", "sdxl-gemini-8gb"}  # ColossalAIStrategy presets
 HAS_COLOSSAL = importlib.util.find_spec("colossalai") is not None
+SD35 = {"sd35m-8gb", "sd35m-lora-8gb", "sd35l-lora-24gb"}  # trained here on a tiny SD3.5 Medium
 
 
 def test_every_preset_is_covered():
     assert (
         set(PRESETS)
-        == {"sd-folder", "sd15-cpu-lowmem", "sd15-lora", "sdxl-8gb", "sdxl-24gb", "sdxl-lora-8gb"} | COLOSSAL
+        == {"sd-folder", "sd15-cpu-lowmem", "sd15-lora", "sdxl-8gb", "sdxl-24gb", "sdxl-lora-8gb"} | SD35 | COLOSSAL
     )
 
 
@@ -27,7 +28,8 @@ def test_every_preset_is_covered():
 def test_preset_trains_a_step_on_the_cpu_or_refuses_in_one_line(preset, request, image_folder, tmp_path, capsys):
     if preset in COLOSSAL and HAS_COLOSSAL:
         pytest.skip("the Colossal-AI presets train on a CPU only with tests/colossalai_cpu.py (test_colossalai.py)")
-    weights = request.getfixturevalue("tiny_sdxl" if preset.startswith("sdxl") else "tiny_sd")
+    tiny = "tiny_sd35_medium" if preset in SD35 else "tiny_sdxl" if preset.startswith("sdxl") else "tiny_sd"
+    weights = request.getfixturevalue(tiny)
     argv = [
         "-t", "-b", str(REPO / "configs" / "finetune" / f"{preset}.yaml"), "-l", str(tmp_path / "logs"),
         f"model.params.pretrained={weights}", f"data.params.root={image_folder}", "data.params.size=16",

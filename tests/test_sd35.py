@@ -147,8 +147,6 @@ def test_a_tiny_sd35_lora_trains_only_its_adapters(tiny_sd35_folder, image_folde
     from diffusers import StableDiffusion3Pipeline
 
     from ldm.export import export_pipeline
-    from ldm.weights.lora_file import save_diffusers_lora, save_kohya_lora
-    from ldm.weights.read import parts_from_checkpoint
     from tests.helpers import finetune_args, train_once
 
     lora = ("model.params.lora.rank=2", "model.params.lora.alpha=2", "lightning.callbacks.image_logger=null")
@@ -158,10 +156,6 @@ def test_a_tiny_sd35_lora_trains_only_its_adapters(tiny_sd35_folder, image_folde
     state = loaded["state_dict"]
     assert state and all("lora_" in k for k in state)
     assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state} == {"to_q", "to_k", "to_v", "0"}
-    parts = parts_from_checkpoint(loaded, merge=False)
-    for save in (save_kohya_lora, save_diffusers_lora):  # their names are not mapped yet: refused, not written wrong
-        with pytest.raises(ValueError, match="ldm writes no Stable Diffusion 3.5 LoRA files yet"):
-            save(parts, tmp_path / "lora")
     merged = StableDiffusion3Pipeline.from_pretrained(export_pipeline(ckpt, tmp_path / "merged"), local_files_only=True)
     base = StableDiffusion3Pipeline.from_pretrained(tiny_sd35_folder, local_files_only=True).transformer.state_dict()
     changed = [k for k, v in merged.transformer.state_dict().items() if not torch.equal(v, base[k])]
@@ -235,3 +229,59 @@ def test_sd35_trains_from_precomputed_shards_without_running_an_encoder(tiny_sd3
             *common, "model.params.unet=null", f"data.params.sources=[{{path: {tmp_path / 'shards'}}}]",
             "data.params.batch_size=2", "lightning.trainer.max_steps=2"]  # fmt: skip
     assert main(argv) == 0
+
+
+def test_each_text_encoder_drops_on_its_own_and_t5_takes_its_length(tiny_sd35_folder):
+    """`model.params.text_dropout` zeroes one encoder's share of a sample's conditioning (SD3's recipe): CLIP-L's
+    features of the CLIP tokens and its pooled embedding, or T5's tokens, the rest as encoded; the draws are
+    keyed per sample. `max_sequence_length` sets T5's token count, for training and the image logger."""
+    from ldm.config import ConfigError
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    seen = []
+
+    def run(**settings):
+        system = LatentDiffusion(pretrained=str(tiny_sd35_folder), objective="flow", snr_gamma=None, **settings)
+        system.configure_model()
+        system.unet.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs), with_kwargs=True)
+        batch = {
+            "pixel_values": torch.randn(2, 3, 16, 16),
+            "caption": ["a cat", "a dog"],
+            "sample_id": torch.tensor([0, 1]),
+        }
+        system.loss(batch)
+        return system.encode_text(batch["caption"]), seen.pop()
+
+    plain, used = run()
+    assert plain["encoder_hidden_states"].shape[1] == 77 + 256
+    assert all(torch.equal(used[k], plain[k]) for k in plain)
+    for dropped, states, pooled in (("text_encoder_3", (slice(77, None), slice(None)), None),
+                                    ("text_encoder", (slice(0, 77), slice(0, 16)), slice(0, 16))):  # fmt: skip
+        _, used = run(text_dropout={dropped: 1.0})
+        zero = torch.zeros_like(plain["encoder_hidden_states"])
+        zero[:, states[0], states[1]] = 1
+        assert not (used["encoder_hidden_states"] * zero).any(), f"{dropped}: its share is zeros"
+        assert torch.equal(used["encoder_hidden_states"] * (1 - zero), plain["encoder_hidden_states"] * (1 - zero))
+        kept = torch.ones_like(plain["pooled_projections"])
+        if pooled is not None:
+            kept[:, pooled] = 0
+            assert not used["pooled_projections"][:, pooled].any()
+        assert torch.equal(used["pooled_projections"] * kept, plain["pooled_projections"] * kept)
+    short, _ = run(max_sequence_length=77)
+    assert short["encoder_hidden_states"].shape[1] == 77 + 77
+    for settings, message in (({"text_dropout": {"vae": 0.5}}, "text_dropout.vae: the sd35 conditioning drops"),
+                              ({"text_dropout": {"text_encoder": 2.0}}, r"text_dropout.text_encoder: got 2.0"),
+                              ({"max_sequence_length": 0}, "max_sequence_length: got 0")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            run(**settings)
+
+
+def test_families_without_t5_refuse_its_settings(tiny_sd):
+    from ldm.config import ConfigError
+    from ldm.models.diffusion.ddpm import LatentDiffusion
+
+    refused = (({"max_sequence_length": 77}, "max_sequence_length: the clip conditioning takes no"),
+               ({"text_dropout": {"text_encoder": 0.5}}, "text_dropout.text_encoder: the clip"))  # fmt: skip
+    for settings, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            LatentDiffusion(pretrained=str(tiny_sd), **settings).configure_model()

@@ -142,7 +142,6 @@ def test_a_cached_sdxl_run_trains_exactly_as_encoding_every_step(tiny_sdxl, imag
 @pytest.mark.parametrize(
     "keys, named",
     [
-        (["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"], "Stable Diffusion 3"),
         (["double_blocks.0.img_attn.qkv.weight"], "Flux"),
         (["conditioner.embedders.0.model.token_embedding.weight"], "the SDXL refiner"),
         (["conditioner.embedders.0.transformer.x", "conditioner.embedders.1.model.x", "inpaint"], "SDXL inpainting"),

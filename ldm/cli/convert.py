@@ -3,6 +3,9 @@
     python scripts/convert.py --src v1-5-pruned-emaonly.safetensors --dst sd15-diffusers
     python scripts/convert.py --src sd15-diffusers --dst sd15.safetensors --half
     python scripts/convert.py --src logs/RUN/checkpoints/last.ckpt --dst my-model.safetensors --ema
+    python scripts/convert.py --src sd3.5_medium.safetensors --dst sd35m-diffusers \
+        --part text_encoder=clip_l.safetensors --part text_encoder_2=clip_g.safetensors \
+        --part text_encoder_3=t5xxl_fp16.safetensors
 
 The format follows the path: a folder is a diffusers pipeline, `.safetensors` / `.ckpt` a single
 file; our checkpoints are recognised by their content.
@@ -36,6 +39,13 @@ def main(argv: list[str] | None = None) -> None:
         "--family", choices=list(FAMILIES), help="for SD 2.x single files: which one (the weights cannot tell)"
     )
     parser.add_argument(
+        "--part",
+        action="append",
+        default=[],
+        metavar="PART=FILE",
+        help="a single file's text encoder from a file of its own (ComfyUI's clip_l / clip_g / t5xxl files)",
+    )
+    parser.add_argument(
         "--trust-pickle",
         action="store_true",
         help="allow a .ckpt that needs arbitrary unpickling (can run code): only for files you trust",
@@ -43,8 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
     console.setup(args.verbose)
+    parts = dict(given.partition("=")[::2] for given in args.part)
+    if bad := [given for given in args.part if "=" not in given]:
+        sys.exit(f"convert: --part {bad[0]}: expected PART=FILE (text_encoder=clip_l.safetensors, say)")
     try:
-        out = convert(args.src, args.dst, args.half, args.ema, args.family, args.trust_pickle)
+        out = convert(args.src, args.dst, args.half, args.ema, args.family, args.trust_pickle, parts)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         sys.exit(f"convert: {err}")
     print(out)

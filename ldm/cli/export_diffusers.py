@@ -7,7 +7,7 @@ import sys
 
 from ldm.cli import console
 from ldm.export import export_pipeline
-from ldm.sampling import SAMPLERS
+from ldm.sampling import SAMPLER_NAMES
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
         "--out", required=True, help="output folder; loads with StableDiffusionPipeline.from_pretrained"
     )
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
-    parser.add_argument("--sampler", choices=list(SAMPLERS), default="ddim", help="scheduler written to the folder")
+    parser.add_argument("--sampler", choices=SAMPLER_NAMES, default="ddim", help="scheduler written to the folder")
     parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' messages too")
     args = parser.parse_args(argv)
     console.setup(args.verbose)

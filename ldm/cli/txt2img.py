@@ -13,7 +13,7 @@ import torch
 
 from ldm.cli import console
 from ldm.export import load_pipeline
-from ldm.sampling import SAMPLERS, image_grid, sample
+from ldm.sampling import SAMPLER_NAMES, image_grid, sample
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--prompt", action="append", required=True, help="prompt; repeat for several")
     parser.add_argument("--outdir", default="outputs/txt2img")
-    parser.add_argument("--sampler", choices=list(SAMPLERS), default="ddim")
+    parser.add_argument("--sampler", choices=SAMPLER_NAMES, default="ddim")
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--guidance-scale", type=float, default=7.5)
     parser.add_argument("--seed", type=int, default=0)

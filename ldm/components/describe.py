@@ -19,7 +19,7 @@ from ldm.components import Parts
 from ldm.components.build import module_from_config
 from ldm.components.tokenizers import tokenizer_files, write_clip_tokenizer, write_slow_tokenizer_files
 from ldm.config import import_target
-from ldm.families import DEFAULT_CLASSES, Family
+from ldm.families import ARCHITECTURES, DEFAULT_CLASSES, Family
 
 
 def describe_parts(parts: Parts) -> dict:
@@ -91,11 +91,15 @@ def family_description(family: Family) -> dict:
     described = {}
     for name in family.networks:
         config = json.loads((family.network_folder / name / "config.json").read_text())
-        described[name] = {"class": DEFAULT_CLASSES[name], "config": config}
+        described[name] = {"class": _class_of(family, name), "config": config}
     scheduler = json.loads((family.folder / "scheduler" / "scheduler_config.json").read_text())
     described["scheduler"] = {"class": f"diffusers.{scheduler['_class_name']}", "config": scheduler}
     for name, pad in (("tokenizer", family.pad_token), ("tokenizer_2", family.pad_token_2)):
         if pad is not None:
             files = tokenizer_files(lambda folder, pad=pad: write_clip_tokenizer(folder, pad_token=pad))
-            described[name] = {"class": DEFAULT_CLASSES[name], "files": files}
+            described[name] = {"class": _class_of(family, name), "files": files}
     return described
+
+
+def _class_of(family: Family, part: str) -> str:
+    return ARCHITECTURES[family.architecture].part_classes.get(part, DEFAULT_CLASSES[part])

@@ -181,7 +181,8 @@ def merged(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def lora_layers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters of `module` in diffusers' LoRA format, with `alpha / rank` folded into B.
+    """The adapters of `module` in diffusers' LoRA format (peft's names where diffusers' older ones would not name
+    every adapter), with `alpha / rank` folded into B.
 
     Folding makes the file correct for every diffusers version: without stored alphas, diffusers
     loads a LoRA with alpha = rank, i.e. scale 1."""
@@ -194,4 +195,6 @@ def lora_layers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for adapter, scale in layer.scaling.items():
                 state[f"{name}.lora_A.weight"] = layer.lora_A[adapter].weight.detach().float().clone()
                 state[f"{name}.lora_B.weight"] = layer.lora_B[adapter].weight.detach().float() * scale
-    return convert_state_dict_to_diffusers(state)
+    converted = convert_state_dict_to_diffusers(state)
+    # diffusers' names exist for attention projections only; a file mixing both formats is read by one only
+    return state if any(".lora_A." in key for key in converted) else converted

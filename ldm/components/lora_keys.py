@@ -15,6 +15,7 @@ diffusers' format (our `pytorch_lora_weights.safetensors`) names `unet.<path>.lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +24,9 @@ import torch
 from ldm.components import Parts
 from ldm.components.unet_layout import original_unet_name
 from ldm.families import ARCHITECTURES, architecture_of
+from ldm.families.base import SWAPPED
 
-KOHYA_LEVELS = {"unet": "", "text_encoder": "text_model.", "text_encoder_2": "text_model."}  # kohya paths have it
+KOHYA_LEVELS = {"unet": "", "text_encoder": "text_model.", "text_encoder_2": "text_model.", "text_encoder_3": ""}
 KOHYA_SUFFIXES = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
 DIFFUSERS_SUFFIXES = {
     "lora.down.weight": "down",
@@ -35,7 +37,13 @@ DIFFUSERS_SUFFIXES = {
     "lora_B.weight": "up",
     "alpha": "alpha",
 }
-PART_TITLES = {"unet": "UNet", "text_encoder": "text encoder", "text_encoder_2": "second text encoder"}
+PART_TITLES = {
+    "unet": "denoiser",
+    "text_encoder": "text encoder",
+    "text_encoder_2": "second text encoder",
+    "text_encoder_3": "third text encoder",
+}
+QKV = 3  # the projections a fused adapter stacks (q, k, v)
 
 
 @dataclass
@@ -100,21 +108,63 @@ def lora_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {path: layer for path, layer in module.named_modules() if isinstance(layer, BaseTunerLayer)}
 
 
+def fused_naming(parts: Parts) -> Callable[[str], tuple[str, int | None]] | None:
+    """Where the family's kohya files name its denoiser's modules by original paths that fuse some of them
+    (`Architecture.kohya_denoiser`): module path -> (original module path, slot); else None."""
+    naming = architecture_of(parts).kohya_denoiser
+    if naming is None:
+        return None
+    config = dict(parts["unet"].config)
+    return lambda path: naming(path, config)
+
+
 def kohya_state_dict(parts: Parts) -> dict[str, torch.Tensor]:
-    """The parts' adapters in kohya's format: down = A, up = B (unscaled), alpha as a 0-dim tensor."""
-    state = {}
+    """The parts' adapters in kohya's format: down = A, up = B (unscaled), alpha as a 0-dim tensor.
+
+    Where the original model fuses modules (q, k and v in one `qkv`), their adapters become one, exactly: the
+    downs stacked, the ups block-diagonal, the rank their sum and alpha scaled to keep alpha / rank."""
+    state: dict[str, torch.Tensor] = {}
     prefixes, original_unet = kohya_naming(parts)
+    fused, pieces = fused_naming(parts), {}
     for part, module in parts.networks.items():
         for path, layer in lora_modules(module).items():
             if part not in prefixes:
-                raise ValueError(f"the {part} has LoRA adapters; kohya files hold the UNet's and text encoders' only")
-            name = kohya_name(part, path, prefixes, original_unet)
+                raise ValueError(f"the {part} has LoRA adapters; kohya files hold the denoiser's and text encoders'")
             for adapter in layer.lora_A:
-                down = layer.lora_A[adapter].weight.detach().float()
-                state[f"{name}.lora_down.weight"] = down.clone().contiguous()
-                state[f"{name}.lora_up.weight"] = layer.lora_B[adapter].weight.detach().float().clone().contiguous()
-                state[f"{name}.alpha"] = torch.tensor(float(layer.scaling[adapter]) * down.shape[0])
+                down = layer.lora_A[adapter].weight.detach().float().clone().contiguous()
+                up = layer.lora_B[adapter].weight.detach().float().clone().contiguous()
+                scale = float(layer.scaling[adapter])
+                if part == "unet" and fused is not None:
+                    original, slot = fused(path)
+                    pieces.setdefault(prefixes[part] + original.replace(".", "_"), {})[slot] = (down, up, scale)
+                    continue
+                name = kohya_name(part, path, prefixes, original_unet)
+                state |= {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
+                          f"{name}.alpha": torch.tensor(scale * down.shape[0])}  # fmt: skip
+    for name, by_slot in pieces.items():
+        down, up, alpha = _fused(by_slot)
+        state |= {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": alpha}
     return state
+
+
+def _fused(by_slot: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One adapter (down, up, alpha) of a module the original fuses, from its pieces' {slot: (down, up, scale)}: a
+    piece of slot None is the module itself; `SWAPPED`'s up has its halves exchanged; slots 0..2 stack."""
+    if None in by_slot or SWAPPED in by_slot:
+        (slot, (down, up, scale)), *_ = by_slot.items()
+        up = torch.cat(up.chunk(2)[::-1]).contiguous() if slot == SWAPPED else up
+        return down, up, torch.tensor(scale * down.shape[0])
+    slots = sorted(by_slot)
+    scale, rows = by_slot[slots[0]][2], by_slot[slots[0]][1].shape[0]
+    down = torch.cat([by_slot[s][0] for s in slots])
+    up = torch.zeros(QKV * rows, down.shape[0])
+    column = 0
+    for s in slots:
+        piece_down, piece_up, piece_scale = by_slot[s]
+        rank = piece_down.shape[0]
+        up[s * rows : (s + 1) * rows, column : column + rank] = piece_up * (piece_scale / scale)
+        column += rank
+    return down.contiguous(), up, torch.tensor(scale * down.shape[0])
 
 
 def read_adapters(path: str | Path, parts: Parts, where: str) -> dict[str, dict[str, Adapter]]:
@@ -134,9 +184,14 @@ def read_adapters(path: str | Path, parts: Parts, where: str) -> dict[str, dict[
     prefixes, original_unet = kohya_naming(parts)
     every = tuple(prefix for a in ARCHITECTURES.values() for prefix in a.kohya_prefixes.values())
     kohya = any(k.startswith(every) for k in state)
+    folders = architecture_of(parts).folders  # diffusers' files name a part as its pipeline folder does
+    spelled = {part: part if kohya else folders.get(part, part) for part in prefixes if part in parts}
     names = {
-        part: _module_names(part, parts[part], kohya, prefixes, original_unet) for part in prefixes if part in parts
+        spelling: _module_names(spelling, parts[part], kohya, prefixes, original_unet, part)
+        for part, spelling in spelled.items()
     }
+    fused = _fused_names(parts, prefixes) if kohya else {}
+    names["unet"] = names.get("unet", {}) | {name: name for name in fused}
     found: dict[tuple[str, str], dict] = {}
     for key, tensor in state.items():
         if kohya:
@@ -144,27 +199,71 @@ def read_adapters(path: str | Path, parts: Parts, where: str) -> dict[str, dict[
         else:
             part, name, role = _diffusers_key(key, names, f"{where}: {path}")
         found.setdefault((part, name), {})[role] = tensor
+    ours = {spelling: part for part, spelling in spelled.items()}
     adapters: dict[str, dict[str, Adapter]] = {}
     for (part, name), roles in found.items():
         for role in ("down", "up"):
             if role not in roles:
                 raise ValueError(f"{where}: {path}: {name} has no {role} weight; the file is incomplete")
         alpha = float(roles["alpha"]) if "alpha" in roles else float(roles["down"].shape[0])  # none: scale 1
-        adapters.setdefault(part, {})[names[part][name]] = Adapter(roles["down"], roles["up"], alpha, name)
+        if name in fused:
+            for module, slot in fused[name]:
+                if (piece := _piece(roles["down"], roles["up"], alpha, slot)) is not None:
+                    adapters.setdefault("unet", {})[module] = Adapter(*piece, name)
+            continue
+        adapters.setdefault(ours[part], {})[names[part][name]] = Adapter(roles["down"], roles["up"], alpha, name)
     return adapters
 
 
+def _fused_names(parts: Parts, prefixes: dict[str, str]) -> dict[str, list[tuple[str, int | None]]]:
+    """{kohya name: [(module path, slot), ...]} of a denoiser whose kohya names fuse modules (`fused_naming`)."""
+    naming, table = fused_naming(parts), {}
+    if naming is None:
+        return {}
+    for path, layer in parts["unet"].named_modules():
+        if isinstance(getattr(layer, "weight", None), torch.Tensor):
+            try:
+                original, slot = naming(path)
+            except KeyError:
+                continue  # a container, or a module the original has no name for
+            table.setdefault(prefixes["unet"] + original.replace(".", "_"), []).append((path, slot))
+    return table
+
+
+def _piece(
+    down: torch.Tensor, up: torch.Tensor, alpha: float, slot: int | None
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The adapter (down, up, alpha) of the module in `slot` of a fused one, exactly: its rows of up (of q, k, v)
+    and the ranks they use (a block-diagonal up, as ldm and sd-scripts' split q/k/v write, splits back into each
+    projection's own); None where it has none."""
+    if slot is None:
+        return down, up, alpha
+    if slot == SWAPPED:
+        return down, torch.cat(up.chunk(2)[::-1]), alpha
+    rows = up.shape[0] // QKV
+    piece = up[slot * rows : (slot + 1) * rows]
+    used = piece.abs().sum(dim=0) != 0
+    if not used.any():
+        return None
+    return down[used].contiguous(), piece[:, used].contiguous(), alpha / down.shape[0] * int(used.sum())
+
+
 def _module_names(
-    part: str, module: torch.nn.Module, kohya: bool, prefixes: dict[str, str], original_unet: dict | None
+    spelling: str,
+    module: torch.nn.Module,
+    kohya: bool,
+    prefixes: dict[str, str],
+    original_unet: dict | None,
+    part: str,
 ) -> dict[str, str]:
-    """{a file's name for a module: its path in `module`}: kohya names, or diffusers' `part.path` in both
-    text encoder layouts."""
+    """{a file's name for a module: its path in `module`}: kohya names, or diffusers' `spelling.path` (the part as
+    diffusers' files name it) in both text encoder layouts."""
     if kohya:
         return kohya_names(part, module, prefixes, original_unet)
     level, names = KOHYA_LEVELS[part], {}
     for path, _ in module.named_modules():
-        for spelling in {path, path.removeprefix(level), level + path.removeprefix(level)} if path else ():
-            names[f"{part}.{spelling}"] = path
+        for written in {path, path.removeprefix(level), level + path.removeprefix(level)} if path else ():
+            names[f"{spelling}.{written}"] = path
     return names
 
 
@@ -206,5 +305,6 @@ def _diffusers_key(key: str, names: dict[str, dict[str, str]], where: str) -> tu
         )
     name = key.removesuffix("." + suffix)
     if name not in names[part]:
-        raise ValueError(f"{where}: key {key!r} matches no module of the {PART_TITLES[part]}; is it for another model?")
+        title = PART_TITLES.get(part, part)
+        raise ValueError(f"{where}: key {key!r} matches no module of the {title}; is it for another model?")
     return part, name, DIFFUSERS_SUFFIXES[suffix]

@@ -35,6 +35,7 @@ from ldm.families.base import (
     FileLayout,
     PartsLike,
     SingleFileError,
+    prediction_of,
 )
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "detect_family",
     "family_of",
     "layout_of_keys",
+    "prediction_of",
     "refused_pipeline",
     "refuse_other_models",
     "CONFIGS",
@@ -85,7 +87,7 @@ COMPVIS_TEXT_ENCODERS: dict[str, tuple[Family, str]] = {
 _TITLES = [a.title for a in ARCHITECTURES.values()]
 SUPPORTED = f"ldm trains {', '.join(_TITLES[:-1])} and {_TITLES[-1]} text-to-image models"
 # Models ldm does not read yet, by a key prefix of their single files (with or without UNET) and pipeline class.
-NOT_YET = {"joint_blocks.": "a Stable Diffusion 3 single file (read its diffusers folder)", "double_blocks.": "Flux"}
+NOT_YET = {"double_blocks.": "Flux"}
 NOT_YET_PIPELINES = {"FluxPipeline": "Flux"}
 
 
@@ -128,7 +130,7 @@ def family_of(parts: Any) -> Family | None:
             getattr(parts.text_encoder.config, k) == text[k]
             for k in ("hidden_size", "num_hidden_layers", "intermediate_size")
         )
-        prediction = parts.scheduler.config.get("prediction_type", "epsilon")
+        prediction = prediction_of({"_class_name": type(parts.scheduler).__name__, **parts.scheduler.config})
         text_parts = {p for p in parts if p.startswith("text_encoder")}
         same_parts = text_parts == {p for p in family.networks if p.startswith("text_encoder")}
         if same_unet and same_text and same_parts and prediction == family.prediction_type:
@@ -145,7 +147,7 @@ def layout_of_keys(keys: Iterable[str]) -> str:
     they have; the first architecture's first layout where none is there."""
     keys = list(keys)
     for layout in LAYOUTS.values():
-        if any(k.startswith(layout.signature) for k in keys):
+        if layout.detect_key in keys or any(k.startswith(layout.signature) for k in keys):
             return layout.name
     return next(iter(ARCHITECTURES.values())).layouts[0].name
 
@@ -189,15 +191,15 @@ def detect_family(
             raise SingleFileError(f"{where} says it is {family.name}, not {declared}; drop the family setting")
         return family, "from the file's ldm metadata"
     refuse_other_models(state, where)
+    layout = next((layout for layout in LAYOUTS.values() if layout.detect_key in state), None)
     conv_in = state.get(UNET + "input_blocks.0.0.weight")
-    if conv_in is None:
+    if conv_in is None and (layout is None or layout.denoiser is None):
         raise SingleFileError(f"{where}: not a Stable Diffusion checkpoint (no {UNET}* weights)")
-    if conv_in.shape[1] != 4:
+    if conv_in is not None and conv_in.shape[1] != 4:
         raise SingleFileError(
             f"{where}: a UNet with {conv_in.shape[1]} input channels (inpainting or depth); "
             "only text-to-image models (4 channels) are supported"
         )
-    layout = next((layout for layout in LAYOUTS.values() if layout.detect_key in state), None)
     if layout is None:
         prefixes = " or ".join(dict.fromkeys(t[1] for lay in LAYOUTS.values() for t in lay.text[:1]))
         raise SingleFileError(f"{where}: no text encoder weights under {prefixes}")

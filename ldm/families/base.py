@@ -36,6 +36,14 @@ TextEncoding = Callable[[PartsLike, Sequence[str], torch.device], dict[str, torc
 ImageEncoding = Callable[[PartsLike, tuple[int, int], torch.device], dict[str, torch.Tensor]]
 
 
+def prediction_of(scheduler_config: Mapping[str, Any]) -> str:
+    """What a scheduler's model predicts: its `prediction_type`; `flow` (the velocity) for a flow-matching one,
+    which has none; else epsilon, the default of those that have one."""
+    if "prediction_type" in scheduler_config:
+        return scheduler_config["prediction_type"]
+    return "flow" if str(scheduler_config.get("_class_name", "")).startswith("FlowMatch") else "epsilon"
+
+
 class SingleFileError(ValueError):
     """A single file that cannot be read as a model of a family here; the message says why and what to do."""
 
@@ -46,26 +54,39 @@ class Conditioning:
     denoiser call takes (`ldm.backbones`: `encoder_hidden_states`, and where a family has them `text_embeds` and
     the like); `image`, where the family has it, makes a batch's per-image conditioning (size ids, say) from the
     batch (the sizes the data records: `original_size`, `crop_top_left`) and the (height, width) trained at. The
-    caption part is cached by latent caches and shards; the image part is made per batch."""
+    caption part is cached by latent caches and shards; the image part is made per batch. `drop` zeroes the
+    share of the `droppable` text encoders given ({part: per-sample bool}) in a caption conditioning, without
+    changing it in place (`ldm.systems.text`); `options` are the keyword settings `text` takes."""
 
     text_parts: tuple[str, ...]
     text: TextEncoding
     image: ImageEncoding | None = None
+    options: tuple[str, ...] = ()  # keyword settings `text` takes (`max_sequence_length`, say)
+    droppable: tuple[str, ...] = ()  # the text encoders `drop` zeroes one by one
+    drop: Callable[[PartsLike, dict[str, torch.Tensor], Mapping[str, torch.Tensor]], dict] | None = None
 
 
 # (candidate families of a file's layout, state, global_step, where) -> (family, how it was told)
 Pick = Callable[[Sequence["Family"], Mapping[str, Any], Any, str], tuple["Family", str]]
+# (a denoiser weight's key, the denoiser's config) -> (its key under `UNET` in a single file, its slot), where the
+# slot is None (as it is), 0..2 (that third of a fused q/k/v tensor), or `SWAPPED` (its two halves exchanged)
+DenoiserNames = Callable[[str, Mapping[str, Any]], tuple[str, int | None]]
+SWAPPED = -2
 
 
 @dataclass(frozen=True)
 class FileLayout:
-    """How a single file of one architecture names its text encoders; its name is stored in the files we write.
+    """How a single file of one architecture names its weights; its name is stored in the files we write.
 
-    `text` is each text encoder's (part, prefix of its keys, "clip" or "open_clip" names); the UNet and VAE are
-    under `UNET` and `VAE` in every layout (`ldm.weights.keymaps`). A file has this layout when it holds
+    `text` is each text encoder's (part, prefix of its keys, names): "clip" (transformers' CLIP names, without
+    the `text_model.` level), "open_clip" (OpenCLIP's) or "hf" (transformers' state-dict keys as they are). The
+    denoiser and VAE are under `UNET` and `VAE` in every layout (`ldm.weights.keymaps`); `denoiser` names the
+    denoiser's weights there where they are not a UNet's original names. A file has this layout when it holds
     `detect_key`. `markers` are empty tensors by which a file says a scheduler setting (key: (setting, value));
     `placeholders` makes the tensors written for want of the real ones (`placeholder_keys`), which an extra
-    read from the parts' source file replaces. `pick` chooses among the families of this layout."""
+    read from the parts' source file replaces. `implied` are our weights (`part.key`) the layout has no place
+    for, with the value they then have (from their shape); `optional` the text encoders its files may lack, which
+    then come from files of their own. `pick` chooses among the families of this layout."""
 
     name: str
     text: tuple[tuple[str, str, str], ...]
@@ -74,6 +95,9 @@ class FileLayout:
     markers: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
     placeholder_keys: tuple[str, ...] = ()
     placeholders: Callable[[PartsLike, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    denoiser: DenoiserNames | None = None
+    implied: Mapping[str, Callable[[torch.Size], torch.Tensor]] = field(default_factory=dict)
+    optional: tuple[str, ...] = ()
 
     @property
     def signature(self) -> str:
@@ -90,7 +114,8 @@ class Architecture:
     `refused_pipelines` does so for diffusers folders, by pipeline class. `pipeline` builds the diffusers
     pipeline of parts (with the sampling scheduler given), `pipeline_class` names it, `pipeline_options` are what
     `from_pretrained` then needs. `kohya_prefixes` are the kohya LoRA name prefixes by part; with
-    `kohya_original_unet` the UNet's modules are named by their original paths (`ldm.components.unet_layout`).
+    `kohya_original_unet` the UNet's modules are named by their original paths (`ldm.components.unet_layout`);
+    `kohya_denoiser` names a transformer's so, some fused into one (q, k and v: one adapter in kohya's files).
     `denoiser_classes` are the classes its pipeline denoises with; `part_classes` the classes of its parts where
     they are not `DEFAULT_CLASSES`', and `folders` the subfolders of its diffusers folders that are not named as
     our parts are (the denoiser, our part `unet`, may be a folder's `transformer`)."""
@@ -105,6 +130,7 @@ class Architecture:
     pipeline: Callable[[PartsLike, Any], Any]
     pipeline_options: Mapping[str, Any] = field(default_factory=dict)
     kohya_original_unet: bool = False
+    kohya_denoiser: DenoiserNames | None = None  # module path -> (original module path, slot): fused in kohya's files
     denoiser_classes: tuple[str, ...] = ("UNet2DConditionModel",)
     lora_files: bool = True  # whether ldm writes its LoRA files (kohya's and diffusers' formats)
     part_classes: Mapping[str, str] = field(default_factory=dict)
@@ -147,4 +173,4 @@ class Family:
 
     @property
     def prediction_type(self) -> str:
-        return json.loads((self.folder / "scheduler" / "scheduler_config.json").read_text())["prediction_type"]
+        return prediction_of(json.loads((self.folder / "scheduler" / "scheduler_config.json").read_text()))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,44 +23,13 @@ from ldm.components.lora import is_lora_key
 from ldm.config import ConfigError, import_target
 from ldm.families import CONDITIONINGS, conditioning_for
 from ldm.systems.objective import Objective, flow_loss, is_flow_scheduler
+from ldm.systems.optimization import Optimization, WarmupDecay
+from ldm.systems.text import TextSettings, drop_encoders
 
 log = logging.getLogger(__name__)
 
 # Skipping more non-finite losses than this in a row means the weights or data are broken: stop.
 MAX_SKIPS_IN_A_ROW = 10
-
-
-@dataclass
-class Optimization:
-    """How the trained weights are optimized: the optimizer (a `{target, params}` node) and its LR schedule."""
-
-    learning_rate: float = 1e-4
-    optimizer: dict = field(default_factory=lambda: {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}})
-    lr_schedule: str = "constant"  # constant | linear | cosine, after lr_warmup_steps
-    lr_warmup_steps: int = 0
-    lr_lambda: Callable[[int], float] | None = None  # a factor of the LR per step, instead of lr_schedule
-    expert_lr_multiplier: float = 1.0  # the LR of mixture-of-experts parameters (modules with lr_group "experts")
-    lr_min: float = 0.0  # where a linear or cosine schedule ends (MicroDiT's 256 px stage: 8e-5 of 2.4e-4)
-
-
-@dataclass
-class WarmupDecay:
-    """The LR factor at a step: linear warm-up from 0 over `warmup` steps, then a `shape` (linear | cosine)
-    decay from 1 to `floor` at step `total` (diffusers' schedules, which end at 0, when `floor` is 0)."""
-
-    warmup: int
-    total: int
-    floor: float
-    shape: str
-
-    def __call__(self, step: int) -> float:
-        import math
-
-        if step < self.warmup:
-            return step / max(1, self.warmup)
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        fall = 0.5 * (1 + math.cos(math.pi * progress)) if self.shape == "cosine" else 1 - progress
-        return self.floor + (1 - self.floor) * fall
 
 
 class LatentDiffusion(pl.LightningModule):
@@ -72,6 +40,7 @@ class LatentDiffusion(pl.LightningModule):
     a submodule under its part name (`unet.…`, `vae.…` in the state dict); `denoiser` names the part
     that denoises, `conditioning` how captions become its conditioning (`ldm.families.CONDITIONINGS`;
     by default the one the parts have).
+    `text` sets the caption encoding's options and each text encoder's dropout (`ldm.systems.text`).
     `trainable` parts train; the others stay frozen, in eval mode. `lora` is the adapter spec the
     parts were given, if any: checkpoints then hold the adapters only. `frozen_device: cpu` keeps the frozen
     networks in CPU memory when the system moves to its device: with latents and captions cached they never
@@ -91,6 +60,7 @@ class LatentDiffusion(pl.LightningModule):
         nonfinite_loss: str = "skip",
         objective: Objective | None = None,
         frozen_device: str | None = None,
+        text: TextSettings | None = None,
     ) -> None:
         super().__init__()
         if frozen_device not in (None, "cpu"):
@@ -103,7 +73,7 @@ class LatentDiffusion(pl.LightningModule):
         self.conditioning = conditioning
         self.snr_gamma, self.sample_latents = snr_gamma, sample_latents
         self.optimization = optimization or Optimization()
-        self.objective = objective or Objective()
+        self.objective, self.text = objective or Objective(), text or TextSettings()
         self.lora = dict(lora) if lora is not None else None
         self.strict_loading = self.lora is None  # a LoRA checkpoint holds the adapters only
         self.run_config: dict | None = None  # the resolved config, set by ldm.training.run and saved in checkpoints
@@ -128,6 +98,7 @@ class LatentDiffusion(pl.LightningModule):
                 self._others[name] = part
         self._names = tuple(parts)
         self.conditioning = self.conditioning or conditioning_for(parts)
+        self.text.check(CONDITIONINGS[self.conditioning], self.conditioning)
         self.train(self.training)  # parts arrive in the mode they were read or built in: trained ones follow the system
         scheduler = self._others["scheduler"]
         self.prediction_type = scheduler.config.get("prediction_type", "epsilon")
@@ -241,7 +212,7 @@ class LatentDiffusion(pl.LightningModule):
         encoder = next(part for name in self.text_parts if isinstance(part := parts[name], torch.nn.Module))
         device = next(encoder.parameters()).device
         with torch.set_grad_enabled(trains and self.training):
-            cond = CONDITIONINGS[self.conditioning].text(parts, captions, device)
+            cond = CONDITIONINGS[self.conditioning].text(parts, captions, device, **self.text.options)
         return {k: v.to(self.device) for k, v in cond.items()}
 
     def encode_image_sizes(self, batch: dict, latents: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -275,6 +246,8 @@ class LatentDiffusion(pl.LightningModule):
         if self.objective.zero_unconditional:  # the caption's conditioning; an image's own (sizes) stays
             kept = torch.tensor([bool(c) for c in batch["caption"]], device=latents.device)
             cond = {k: v * kept.reshape(-1, *([1] * (v.ndim - 1))).to(v.dtype) for k, v in cond.items()}
+        if self.text.dropout:  # each text encoder dropped on its own (SD3's recipe)
+            cond = drop_encoders(self.text, CONDITIONINGS[self.conditioning], self.parts, cond, draws)
         cond = {k: v.to(dtype) for k, v in {**cond, **self.encode_image_sizes(batch, latents)}.items()}
         if self.objective.kind == "edm":
             return self._edm_loss(module, latents, cond, draws)

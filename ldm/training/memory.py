@@ -23,13 +23,14 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from ldm.components import vae_downscale
 from ldm.components.build import (
     build_part,
+    folder_parts,
     module_from_config,
     part_folder,
     part_spec,
 )
 from ldm.components.memory import DTYPES
 from ldm.config import ConfigError, import_target, to_plain
-from ldm.families import DEFAULT_CLASSES, NETWORK_PARTS
+from ldm.families import ARCHITECTURES, DEFAULT_CLASSES, FAMILIES, NETWORK_PARTS, OPTIONAL_PARTS
 from ldm.training.model import latent_diffusion
 from ldm.training.optim import LowMemoryAdamW
 
@@ -86,9 +87,26 @@ class MemoryPlan:
         return "\n".join(rows)
 
 
+def _spec(params: dict, name: str) -> Any:
+    """The spec of one part, as training reads it (`part_spec`); a part of an architecture folder of
+    `configs/models/` (no `model_index.json` names its family) as the class its family gives it."""
+    spec = part_spec(name, params.get(name), params.get("pretrained"))
+    target = _folder_classes(params.get("pretrained")).get(name)
+    return {"target": target, **spec} if target and isinstance(spec, dict) else spec
+
+
+def _folder_classes(pretrained: str | None) -> dict[str, str]:
+    """The part classes of the family whose architecture folder (`configs/models/<name>/`) `pretrained` is."""
+    folder = Path(pretrained).expanduser().resolve() if pretrained else None
+    for family in FAMILIES.values():
+        if folder in (family.folder.resolve(), family.network_folder.resolve()):
+            return dict(ARCHITECTURES[family.architecture].part_classes)
+    return {}
+
+
 def _part_config(params: dict, name: str) -> tuple[type, dict]:
     """The class and config dict of one part, from its spec or from `pretrained/<name>/config.json`."""
-    spec = part_spec(name, params.get(name), params.get("pretrained"))
+    spec = _spec(params, name)
     cls = import_target(spec.get("target", DEFAULT_CLASSES[name]), f"model.params.{name}.target")
     if "config" in spec:
         return cls, dict(spec["config"])
@@ -99,22 +117,27 @@ def _part_config(params: dict, name: str) -> tuple[type, dict]:
 
 
 def _network_names(params: dict) -> tuple[str, ...]:
-    """The networks of the configured model: every model's, and a second text encoder where it is given or the
-    `pretrained` folder (a diffusers folder, or an architecture folder of `configs/models/`) has it."""
+    """The networks of the configured model: every model's, and a family's further text encoders where they are
+    given or the `pretrained` folder has them (a diffusers folder lists them in its `model_index.json`; an
+    architecture folder of `configs/models/` holds their configs)."""
     pretrained = params.get("pretrained")
-    has_second = params.get("text_encoder_2") is not None or bool(
-        pretrained and (Path(pretrained) / "text_encoder_2" / "config.json").is_file()
-    )
-    return (*NETWORK_PARTS, "text_encoder_2") if has_second else NETWORK_PARTS
+    if pretrained and not (Path(pretrained) / "model_index.json").is_file():
+        listed = {name for name in OPTIONAL_PARTS if (Path(pretrained) / name / "config.json").is_file()}
+    else:
+        listed = folder_parts(pretrained)
+    given = {name for name in OPTIONAL_PARTS if params.get(name) is not None}
+    return (*NETWORK_PARTS, *(n for n in OPTIONAL_PARTS if n.startswith("text_encoder") and n in listed | given))
 
 
 def _tokenizer(params: dict, text_config: dict, name: str = "tokenizer") -> Any:
     """The configured tokenizer, or (for the architecture folders of `configs/models/`, which hold none)
-    the CLIP tokenizer at the text encoder's length: token ids only set the sizes the step traces."""
+    the CLIP tokenizer at the text encoder's length: token ids only set the sizes the step traces (a text encoder
+    with no length of its own, T5, is given its ids at the length the family's conditioning asks for)."""
     spec = params.get(name)
     if spec is None and params.get("pretrained") and (Path(params["pretrained"]) / name).is_dir():
         spec = part_spec(name, None, params["pretrained"])
-    spec = spec or {"config": {"vocab": "clip", "model_max_length": text_config["max_position_embeddings"]}}
+    length = text_config.get("max_position_embeddings", 77)
+    spec = spec or {"target": DEFAULT_CLASSES["tokenizer"], "config": {"vocab": "clip", "model_max_length": length}}
     return build_part(name, spec, f"model.params.{name}")
 
 
@@ -217,11 +240,9 @@ def plan_training_step(
             f"lightning.trainer.precision: the planner knows 32-true, bf16-mixed, 16-mixed; got {precision}"
         )
     configs = {name: _part_config(params, name) for name in _network_names(params)}
-    tokenizers = {"tokenizer": _tokenizer(params, configs["text_encoder"][1])}
-    if "text_encoder_2" in configs:
-        tokenizers["tokenizer_2"] = _tokenizer(params, configs["text_encoder_2"][1], "tokenizer_2")
-    scheduler_spec = part_spec("scheduler", params.get("scheduler"), params.get("pretrained"))
-    scheduler = build_part("scheduler", scheduler_spec, "model.params.scheduler")
+    tokenizer_of = {name: name.replace("text_encoder", "tokenizer") for name in configs if "text_encoder" in name}
+    tokenizers = {t: _tokenizer(params, configs[name][1], t) for name, t in tokenizer_of.items()}
+    scheduler = build_part("scheduler", _spec(params, "scheduler"), "model.params.scheduler")
 
     tracker = _Tracker()
     # The networks are built on the meta device (no memory; fake tensors could not be cast, as LoRA's adapters are)
@@ -241,11 +262,15 @@ def plan_training_step(
         gradient_checkpointing=bool(params.get("gradient_checkpointing")),
         lora=lora,
         sample_latents=params.get("sample_latents", True),
+        **{k: params[k] for k in ("objective", "flow", "edm", "mask_ratio", "max_sequence_length") if k in params},
     )
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         if fake:
             system.to_empty(device="cpu")
             modules = {name: getattr(system, name) for name in modules}
+            for module in modules.values():  # `to_empty` parts the weights a model shares (T5's embedding): tie them
+                if hasattr(module, "tie_weights"):
+                    module.tie_weights()
         optimizer = _optimizer(params, system)
         system.train()
         trained, gradients = system.trained_parameters(), {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, TypedDict
 
 import torch
@@ -25,9 +24,8 @@ from ldm.families import NETWORK_PARTS, OPTIONAL_PARTS, FamilyName
 from ldm.systems.latent_diffusion import LatentDiffusion as System
 from ldm.systems.latent_diffusion import Optimization
 from ldm.systems.objective import Objective, check_flow_settings
+from ldm.systems.text import TextSettings
 from ldm.weights.read import load_pretrained
-from ldm.weights.single_file import read_single_file
-from ldm.weights.text_model import as_module_names
 
 DEFAULT_OPTIMIZER = {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
 
@@ -101,7 +99,8 @@ def latent_diffusion(
     noise_schedule: NoiseSchedule | None = None,
     scaling_factor: float | None = None,
     lr_lambda: TargetSpec | None = None,
-    part_weights: dict[Literal["unet", "vae", "text_encoder"], ExistingPath] | None = None,
+    part_weights: dict[Literal["unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"], ExistingPath]
+    | None = None,
     architecture: dict[Literal["unet", "vae"], Declared] | None = None,
     objective: Literal["ddpm", "edm", "flow"] = "ddpm",
     edm: EDMSettings | None = None,
@@ -111,6 +110,8 @@ def latent_diffusion(
     expert_lr_multiplier: float = 1.0,
     noise_offset: float = 0.0,
     frozen_device: Literal["cpu"] | None = None,
+    max_sequence_length: int | None = None,
+    text_dropout: dict[str, float] | None = None,
 ) -> System:
     """A `LatentDiffusion` system whose parts are built when Lightning configures the model.
 
@@ -122,7 +123,8 @@ def latent_diffusion(
     denoiser class (`target`) that takes the call `denoiser(noisy, t, cond)` (see `ldm.backbones`).
 
     `part_weights` loads a file of one part's weights (diffusers names, `.bin` / `.safetensors`) into the
-    part built from its config; `architecture` lists configs the weights read must agree with; `lr_lambda`
+    part built from its config (a single file's text encoders: read with it, where its files may lack them);
+    `architecture` lists configs the weights read must agree with; `lr_lambda`
     is an LR factor per step (e.g. `ldm.training.lr_schedules.LambdaLinear`) instead of `lr_schedule`; a linear or
     cosine `lr_schedule` ends at `lr_min` (default 0).
 
@@ -137,7 +139,10 @@ def latent_diffusion(
     (v-prediction models such as NoobAI-XL v-pred; what the weights' scheduler says may not be contradicted).
 
     `frozen_device: cpu` keeps the frozen networks (VAE, text encoders) in CPU memory, off the GPU: for runs that
-    cache latents and captions (`data.params.cache_latents` / `cache_text`, or shards), whose steps never run them."""
+    cache latents and captions (`data.params.cache_latents` / `cache_text`, or shards), whose steps never run them.
+    `max_sequence_length` is the T5 token count of families with T5 (diffusers' name; the pipeline's by default);
+    `text_dropout` ({text encoder: probability}) zeroes one encoder's share of a sample's conditioning on its own
+    (`ldm.systems.text`)."""
     if learning_rate <= 0:
         raise ConfigError(f"model.params.learning_rate: got {learning_rate}; must be positive")
     if lr_min and (lr_schedule == "constant" or not 0 < lr_min < learning_rate):
@@ -191,8 +196,12 @@ def latent_diffusion(
         pretrained, pretrained_ema, pretrained_family, specs, prediction_type, trainable, memory, lora,
         dict(part_weights or {}), dict(architecture or {}), noise_schedule, scaling_factor,
     )  # fmt: skip
+    if max_sequence_length is not None and max_sequence_length < 1:
+        raise ConfigError(f"model.params.max_sequence_length: got {max_sequence_length}; a count of tokens, 1 or more")
+    options = {"max_sequence_length": max_sequence_length} if max_sequence_length is not None else {}
+    text = TextSettings(options, {k: float(v) for k, v in (text_dropout or {}).items()})
     system = System(build, trainable, "unet", None, snr_gamma, sample_latents, optimization, lora, nonfinite_loss,
-                    training_objective, frozen_device)  # fmt: skip
+                    training_objective, frozen_device, text)  # fmt: skip
     if all(isinstance(specs[name], torch.nn.Module) for name in NETWORK_PARTS):
         system.configure_model()  # networks passed in: nothing to load
     return system
@@ -243,6 +252,7 @@ class PartsForTraining:
                 pretrained_family=self.pretrained_family,
                 dtypes=self.dtypes(),
                 keep_extras=False,  # an export reads them again from model.params.pretrained
+                part_weights=self.part_weights,
                 **self.specs,
             )
         for name in self.trainable:
@@ -251,8 +261,6 @@ class PartsForTraining:
                     f"model.params.trainable: {name!r}, but these weights have no {name}; they have "
                     f"{', '.join(parts.networks)}"
                 )
-        for name, path in self.part_weights.items():
-            _load_part_weights(parts[name], Path(path).expanduser(), f"model.params.part_weights.{name}")
         for name, declared in self.architecture.items():
             _check_architecture(parts[name], declared, name, self.pretrained)
         _resolve_prediction_type(parts.scheduler, self.prediction_type, self.pretrained, self.specs["scheduler"])
@@ -280,30 +288,6 @@ class PartsForTraining:
         adapters = self.lora is not None
         names = (*NETWORK_PARTS, *OPTIONAL_PARTS)
         return {name: trained if name in self.trainable and not adapters else frozen for name in names}
-
-
-def _load_part_weights(module: torch.nn.Module, path: Path, key: str) -> None:
-    """Load a file of one part's weights, in diffusers / transformers names, strictly into `module`."""
-    try:
-        state, _, _ = read_single_file(path)  # .safetensors, or a pickle read without running code from it
-    except (FileNotFoundError, ValueError) as err:
-        raise ConfigError(f"{key}: {err}") from None
-    state = as_module_names(state, module)
-    own = module.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        problem = f"no {missing[0]}" if missing else f"an unknown {unexpected[0]}"
-        raise ConfigError(
-            f"{key}: {path} does not fit the part's config: {len(missing)} weights missing, {len(unexpected)} "
-            f"unknown (first: {problem}); is it the weights of this part, in diffusers names?"
-        )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ConfigError(
-                f"{key}: {path} does not fit the part's config: {name} is {list(tensor.shape)} in the file but "
-                f"{list(own[name].shape)} by the config; make the config describe these weights"
-            )
-    module.load_state_dict(state)
 
 
 def _check_architecture(module: torch.nn.Module, declared: dict, name: str, pretrained: str | None) -> None:

@@ -1,8 +1,9 @@
-"""The original key layout of UNet-family single files (CompVis / Stability), generated from each part's config.
+"""The original key layout of single files (CompVis / Stability), generated from each part's config.
 
 Each map goes diffusers name -> original name; readers invert it, so the two directions cannot drift apart.
-The UNet is under `UNET`, the VAE under `VAE`; where each text encoder is, and whether it has OpenAI CLIP's
-names or OpenCLIP's, a family's `FileLayout` says (`ldm.families`). OpenCLIP fuses q/k/v into one tensor:
+The denoiser is under `UNET` (a UNet by its original names, else as its family's `FileLayout` names it), the VAE
+under `VAE`; where each text encoder is, and whether it has OpenAI CLIP's names, OpenCLIP's or transformers', the
+`FileLayout` says (`ldm.families`). OpenCLIP fuses q/k/v into one tensor:
 such keys map to (name, slot); its `text_projection` is the transpose of the diffusers weight (slot
 `TRANSPOSED`).
 """
@@ -79,12 +80,14 @@ def original_names(parts: Parts, layout: Any) -> dict[str, tuple[str, int | None
     """Our state-dict key (`unet.…`, `vae.…`, `text_encoder.…`, `text_encoder_2.…`) -> (original key, q/k/v
     slot, `TRANSPOSED` or None), for a file of `layout` (an `ldm.families.FileLayout`)."""
     names: dict[str, tuple[str, int | None]] = {}
-    for part, prefix, to_original in (("unet", UNET, original_unet_name), ("vae", VAE, _vae_name)):
+    denoiser = layout.denoiser or (lambda key, config: (original_unet_name(key, config), None))
+    for part, prefix, to_original in (("unet", UNET, denoiser), ("vae", VAE, lambda k, c: (_vae_name(k, c), None))):
         module = getattr(parts, part)
         config = dict(module.config)
         for key in module.state_dict():
             try:
-                names[f"{part}.{key}"] = (prefix + to_original(key, config), None)
+                name, slot = to_original(key, config)
+                names[f"{part}.{key}"] = (prefix + name, slot)
             except KeyError:
                 raise SingleFileError(f"{part} weight {key!r} has no place in the original layout") from None
             except ValueError as err:
@@ -93,13 +96,23 @@ def original_names(parts: Parts, layout: Any) -> dict[str, tuple[str, int | None
         if part not in parts:
             raise SingleFileError(f"the {layout.name} layout has a {part}, which these parts lack")
         for key in parts[part].state_dict():
+            if f"{part}.{key}" in layout.implied:
+                continue
             plain = without_prefix(key)
             try:
-                name, slot = (plain, None) if kind == "clip" else _open_clip_name(plain)
+                name, slot = (
+                    (plain, None) if kind == "clip" else (_tied(key), None) if kind == "hf" else _open_clip_name(plain)
+                )
             except KeyError:
                 raise SingleFileError(f"{part} weight {key!r} has no place in the OpenCLIP layout") from None
             names[f"{part}.{key}"] = (prefix + name, slot)
     return names
+
+
+def _tied(key: str) -> str:
+    """A T5 encoder's token embedding is one tensor under two names (`shared`, `encoder.embed_tokens`): files hold
+    it once, as `shared.weight`."""
+    return "shared.weight" if key == "encoder.embed_tokens.weight" else key
 
 
 def ema_name(original: str) -> str:

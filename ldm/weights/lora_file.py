@@ -8,6 +8,7 @@ diffusers' is `pytorch_lora_weights.safetensors` in a folder, for `pipe.load_lor
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from math import prod
@@ -19,7 +20,7 @@ import torch
 from ldm.components import Parts
 from ldm.components.lora import add_lora, lora_layers, merged
 from ldm.components.lora_keys import kohya_state_dict, lora_modules, read_adapters
-from ldm.families import LAYOUTS, architecture_of, family_of
+from ldm.families import ARCHITECTURES, LAYOUTS, architecture_of, family_of
 from ldm.utils.atomic import atomic_path
 from ldm.weights.checkpoint import load_pickle
 from ldm.weights.formats import Format, detect
@@ -63,21 +64,24 @@ def save_kohya_lora(parts: Parts, out: str | Path, about: Mapping[str, str] | No
     if not state:
         raise ValueError(_NO_ADAPTERS)
     path = kohya_path(out)
-    metadata = {**kohya_metadata(parts, state, path.stem), **(about or {})}
+    metadata = {**kohya_metadata(parts, path.stem), **(about or {})}
     with atomic_path(path) as partial:
         save_file(state, str(partial), metadata=metadata)
     return path
 
 
-def kohya_metadata(parts: Parts, state: Mapping[str, torch.Tensor], name: str) -> dict[str, str]:
+def kohya_metadata(parts: Parts, name: str) -> dict[str, str]:
     """The safetensors metadata sd-scripts writes with a LoRA, for the file `name`, and the SAI model spec
     where the parts are a released family."""
-    first = next(k for k in state if k.endswith(".lora_down.weight")).removesuffix(".lora_down.weight")
+    # the adapters' own rank and alpha: a file may hold fused ones of a larger rank (`kohya_state_dict`)
+    layer = next(layer for module in parts.networks.values() for layer in lora_modules(module).values())
+    adapter = next(iter(layer.lora_A))
+    rank = layer.lora_A[adapter].weight.shape[0]
     family = family_of(parts)
     metadata = {
         "ss_network_module": "networks.lora",
-        "ss_network_dim": str(state[f"{first}.lora_down.weight"].shape[0]),
-        "ss_network_alpha": str(round(float(state[f"{first}.alpha"]), 6)),  # as sd-scripts: "8.0"
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": str(round(float(layer.scaling[adapter]) * rank, 6)),  # as sd-scripts: "8.0"
         "ss_v2": str(bool(family) and family.kohya_v2),
         "ss_base_model_version": family.kohya_base if family else "",
         "ss_output_name": name,
@@ -112,10 +116,18 @@ def save_diffusers_lora(parts: Parts, out_dir: str | Path) -> Path:
     import diffusers
 
     _check_lora_files(parts)
-    layers = {f"{name}_lora_layers": lora_layers(m) for name, m in parts.networks.items() if lora_modules(m)}
-    pipeline = getattr(diffusers, architecture_of(parts).pipeline_class)
+    architecture = architecture_of(parts)
+    folders = architecture.folders  # the pipeline's name for each part (its denoiser may be a `transformer`)
+    layers = {f"{folders.get(n, n)}_lora_layers": lora_layers(m) for n, m in parts.networks.items() if lora_modules(m)}
+    pipeline = getattr(diffusers, architecture.pipeline_class)
     if not layers:
         raise ValueError(_NO_ADAPTERS)
+    takes = inspect.signature(pipeline.save_lora_weights).parameters
+    if unknown := [name.removesuffix("_lora_layers") for name in layers if name not in takes]:
+        raise ValueError(
+            f"diffusers' {architecture.title} LoRA files hold no {', '.join(unknown)} adapters "
+            "(its loader has none); export kohya's format (--format kohya), which does"
+        )
     out_dir = Path(out_dir)
     if out_dir.suffix == ".safetensors":
         raise ValueError(f"--out {out_dir}: diffusers' LoRA format is a folder; name one, or use --format kohya")
@@ -170,7 +182,8 @@ def stored_dtypes(path: str | Path) -> dict[str, torch.dtype]:
     counts: dict[str, Counter] = defaultdict(Counter)
     if kind is Format.DIFFUSERS:
         for part in _PART_PREFIXES:  # the files from_pretrained reads: no variants (`*.fp16.safetensors`)
-            for file in sorted((path / part).glob("*")):
+            named = {part, *(a.folders[part] for a in ARCHITECTURES.values() if part in a.folders)}
+            for file in sorted(f for folder in named for f in (path / folder).glob("*")):
                 if file.suffix in (".safetensors", ".bin") and len(file.suffixes) == 1:
                     for _, dtype, numel in _floating_tensors(file):
                         counts[part][dtype] += numel

@@ -23,7 +23,7 @@ from ldm.families import OPTIONAL_PARTS, PART_NAMES
 from ldm.weights.checkpoint import load_checkpoint, load_pickle
 from ldm.weights.extras import attach, read_extras
 from ldm.weights.formats import CHECKPOINT_FOLDERS, CHECKPOINTS, PICKLE_SUFFIXES, Format, detect, is_our_checkpoint
-from ldm.weights.single_file import extras_from_file, load_single_file, split_pickle
+from ldm.weights.single_file import extras_from_file, load_single_file, read_single_file, split_pickle
 from ldm.weights.text_model import as_module_names
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,14 @@ def read_parts(
     where: str = "--src",
     dtypes: Mapping[str, torch.dtype] | None = None,
     keep_extras: bool = True,
+    part_files: Mapping[str, str | Path] | None = None,
 ) -> Parts:
     """Parts from a diffusers folder, one of our checkpoints, or an original single file: float32, or each network
     read straight into its dtype in `dtypes` (by part name) from a diffusers folder or a single file.
 
     What was read (for a single file: the family and how it was told) is logged, after `where`. The tensors of a
-    single file that no part holds are kept with the parts unless `keep_extras` is False."""
+    single file that no part holds are kept with the parts unless `keep_extras` is False; a single file's text
+    encoders may come from `part_files` (`load_single_file`)."""
     src = Path(src)
     kind = detect(src)
     if kind is Format.DIFFUSERS:
@@ -67,7 +69,8 @@ def read_parts(
             log.info("%s: %s: an ldm checkpoint (step %s)", where, src, obj.get("global_step"))
             return parts_from_checkpoint(obj, ema)
         loaded = split_pickle(obj, src)
-    parts, line = load_single_file(src, ema, family, loaded=loaded, dtypes=dtypes, keep_extras=keep_extras)
+    parts, line = load_single_file(src, ema, family, loaded=loaded, dtypes=dtypes, keep_extras=keep_extras,
+                                   part_files=part_files)  # fmt: skip
     log.info("%s: %s", where, line)
     return parts
 
@@ -79,11 +82,36 @@ def load_pretrained(
     pretrained_family: str | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
     keep_extras: bool = True,
+    part_weights: Mapping[str, str | Path] | None = None,
     **specs: Any,
 ) -> Parts:
     """Every part, as a config describes it: a module passes through, a spec is built, and a missing one
     comes from `pretrained`, in any format `read_parts` reads; `pretrained_ema` and `pretrained_family`
-    apply to single files and our checkpoints. Networks are read or built in their dtype in `dtypes`."""
+    apply to single files and our checkpoints. Networks are read or built in their dtype in `dtypes`.
+    `part_weights` are files of one part's weights each (`{key}.part_weights`), loaded over the part; a single
+    file's text encoders are read with it, straight into their dtypes (its files may lack them)."""
+    part_weights = dict(part_weights or {})
+    single = pretrained is not None and detect(pretrained) is Format.FILE
+    taken = {name: path for name, path in part_weights.items() if single and name.startswith("text_encoder")}
+    parts = _load_pretrained(pretrained, key, pretrained_ema, pretrained_family, dtypes, keep_extras, taken, specs)
+    for name, path in part_weights.items():
+        if name not in taken:
+            if name not in parts.networks:
+                raise ConfigError(f"{key}.part_weights.{name}: these weights have no {name}")
+            load_part_weights(parts[name], Path(path).expanduser(), f"{key}.part_weights.{name}")
+    return parts
+
+
+def _load_pretrained(
+    pretrained: str | None,
+    key: str,
+    pretrained_ema: bool,
+    pretrained_family: str | None,
+    dtypes: Mapping[str, torch.dtype] | None,
+    keep_extras: bool,
+    part_files: Mapping[str, str | Path],
+    specs: dict,
+) -> Parts:
     if pretrained is None or detect(pretrained) not in CHECKPOINTS:
         if pretrained_ema or pretrained_family:
             option = "pretrained_ema" if pretrained_ema else "pretrained_family"
@@ -99,10 +127,35 @@ def load_pretrained(
             where=f"{key}.pretrained",
             dtypes=dtypes,
             keep_extras=keep_extras,
+            part_files=part_files,
         )
     except ValueError as err:
         raise ConfigError(f"{key}.pretrained: {err}") from None
     return build_parts(pretrained, key, base=parts, dtypes=dtypes, **specs)
+
+
+def load_part_weights(module: torch.nn.Module, path: Path, key: str) -> None:
+    """Load a file of one part's weights, in diffusers / transformers names, strictly into `module`."""
+    try:
+        state, _, _ = read_single_file(path)  # .safetensors, or a pickle read without running code from it
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"{key}: {err}") from None
+    state = as_module_names(state, module)
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        problem = f"no {missing[0]}" if missing else f"an unknown {unexpected[0]}"
+        raise ConfigError(
+            f"{key}: {path} does not fit the part's config: {len(missing)} weights missing, {len(unexpected)} "
+            f"unknown (first: {problem}); is it the weights of this part, in diffusers names?"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ConfigError(
+                f"{key}: {path} does not fit the part's config: {name} is {list(tensor.shape)} in the file but "
+                f"{list(own[name].shape)} by the config; make the config describe these weights"
+            )
+    module.load_state_dict(state)
 
 
 def parts_from_checkpoint(ckpt: dict, ema: bool = False, merge: bool = True) -> Parts:
@@ -161,7 +214,7 @@ def _parts_with_lora(ckpt: dict, state: dict, merge: bool) -> Parts:
     base = {
         k: v
         for k, v in params.items()
-        if k in ("pretrained", "pretrained_ema", "pretrained_family", *PART_NAMES, *OPTIONAL_PARTS)
+        if k in ("pretrained", "pretrained_ema", "pretrained_family", "part_weights", *PART_NAMES, *OPTIONAL_PARTS)
     }
     try:
         parts = load_pretrained(**base)

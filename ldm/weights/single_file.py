@@ -38,7 +38,9 @@ from ldm.families import (
     detect_family,
     family_of,
     layout_of_keys,
+    prediction_of,
 )
+from ldm.families.base import SWAPPED
 from ldm.utils.atomic import atomic_path
 from ldm.weights.checkpoint import load_pickle
 from ldm.weights.extras import Extras, attach, extras_of, extras_read_with, fingerprint, writable
@@ -51,7 +53,7 @@ from ldm.weights.keymaps import (
     is_vae_attention_weight,
     original_names,
 )
-from ldm.weights.tensors import Renamed, TensorFile
+from ldm.weights.tensors import Joined, Renamed, TensorFile
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +77,18 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, list] = {}
     layout = file_layout(text_layout)
+    for ours, implied in layout.implied.items():
+        if ours in state and not torch.equal(state[ours].detach().cpu().float(), implied(state[ours].shape)):
+            raise SingleFileError(
+                f"{ours} has been changed, and a {layout.name} single file has no place for it (readers take it "
+                "as it was); export a diffusers folder instead"
+            )
     for ours, (original, slot) in original_names(parts, layout).items():
         tensor = state[ours].detach()
         if is_vae_attention_weight(original) and tensor.dim() == 2:
             tensor = tensor[:, :, None, None]
-        if slot is None or slot == TRANSPOSED:
-            out[original] = tensor if slot is None else tensor.T
+        if slot is None or slot in (TRANSPOSED, SWAPPED):
+            out[original] = tensor if slot is None else tensor.T if slot == TRANSPOSED else _swapped(tensor)
         else:
             fused.setdefault(original, [None] * 3)[slot] = tensor
     out.update({k: torch.cat(chunks) for k, chunks in fused.items()})
@@ -88,6 +96,15 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
         out.update(layout.placeholders(parts, out))
     dtype = torch.float16 if half else None
     return {k: v.to(dtype=dtype or v.dtype).contiguous() for k, v in out.items()}
+
+
+def _prediction(parts: Parts) -> str:
+    return prediction_of({"_class_name": type(parts.scheduler).__name__, **parts.scheduler.config})
+
+
+def _swapped(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with its two halves along dim 0 exchanged (its own inverse)."""
+    return torch.cat(tensor.chunk(2)[::-1])
 
 
 def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_layout: str | None = None) -> Path:
@@ -111,7 +128,7 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
     meta = {
         "family": family.name if family else "custom",
         "text_layout": layout,
-        "prediction_type": parts.scheduler.config.get("prediction_type", "epsilon"),
+        "prediction_type": _prediction(parts),
         "parts": describe_parts(parts),
     }
     path = Path(path)
@@ -156,14 +173,16 @@ def modelspec(parts: Parts, family: Family | None, title: str) -> dict[str, str]
     if family is None:
         return {}
     size = parts.unet.config.sample_size * vae_downscale(parts.vae.config)
-    return {
+    spec = {
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": family.modelspec,
         "modelspec.implementation": MODELSPEC_IMPLEMENTATION,
         "modelspec.title": title,
         "modelspec.resolution": f"{size}x{size}",
-        "modelspec.prediction_type": "v" if family.prediction_type == "v_prediction" else "epsilon",
     }
+    if family.prediction_type != "flow":  # the spec has no name for flow matching's velocity
+        spec["modelspec.prediction_type"] = "v" if family.prediction_type == "v_prediction" else "epsilon"
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -208,25 +227,29 @@ def load_single_file(
     loaded: tuple = (),
     dtypes: Mapping[str, torch.dtype] | None = None,
     keep_extras: bool = True,
+    part_files: Mapping[str, str | Path] | None = None,
 ) -> tuple[Parts, str]:
     """Parts from an original single file, and a line saying which family was detected and how.
 
     Each network is read straight into its dtype in `dtypes` (by part name; float32 where not given), tensor by
     tensor. `loaded` is the file's `(state, metadata, global_step)` where the caller has read it already. The
     tensors no part holds are kept with the parts (`ldm.weights.extras`) unless `keep_extras` is False (a
-    training run, which reads them again from the file when it exports)."""
+    training run, which reads them again from the file when it exports). `part_files` are files of one text
+    encoder's weights each (transformers' names; ComfyUI's `clip_l.safetensors`, say), read in place of the
+    file's copy, or where its layout lets a file lack that encoder."""
     path = Path(path)
     state, metadata, global_step = loaded or read_single_file(path, trust_pickle)
     detected, how = detect_family(state, metadata, global_step, family, where=str(path))
     parts = parts_from_description(metadata["parts"] if metadata.get("parts") else family_description(detected))
     layout = metadata.get("text_layout") or detected.text_layout
-    _load_original(parts, _with_ema(state, path) if ema else state, layout, path, dtypes or {})
+    weights = _with_part_files(state, parts, file_layout(layout), dict(part_files or {}), path)
+    _load_original(parts, _with_ema(weights, path) if ema else weights, layout, path, dtypes or {})
     extras = {}
     if keep_extras:
         extras = {k: v for k in extra_keys(state, parts, layout, ema) if isinstance(v := state[k], torch.Tensor)}
     attach(parts, extras_read_with(parts, extras, str(path), layout))
     title = detected.title if detected else "a custom architecture"
-    prediction = parts.scheduler.config.get("prediction_type", "epsilon")
+    prediction = _prediction(parts)
     kept = f"; {len(extras)} tensors no part holds kept beside them" if extras else ""
     return parts, f"{path}: {title} ({prediction}), {how}{kept}"
 
@@ -278,6 +301,37 @@ def _tensors_of(path: Path) -> Iterator[tuple[list[str] | None, Callable[[str], 
     yield [k for k, v in state.items() if isinstance(v, torch.Tensor)], state.__getitem__
 
 
+def _with_part_files(
+    state: Mapping[str, torch.Tensor], parts: Parts, layout: FileLayout, files: dict[str, str | Path], path: Path
+) -> Mapping[str, torch.Tensor]:
+    """`state` with each text encoder in `files` read from its own file, under the layout's names; a text encoder
+    the layout lets a file lack and that neither has is an error saying how to give it."""
+    joined: dict[str, tuple[Mapping, str]] = {}
+    for part, prefix, kind in layout.text:
+        if part not in files:
+            if part in layout.optional and not any(k.startswith(prefix) for k in state):
+                raise SingleFileError(
+                    f"{path} holds no {part} ({prefix}*): give its weights in a file of their own, "
+                    f"model.params.part_weights.{part}=FILE in training, --part {part}=FILE to convert "
+                    "(ComfyUI keeps them in models/text_encoders/)"
+                )
+            continue
+        if kind != "hf":
+            raise SingleFileError(f"the {layout.name} layout reads no {part} from a file of its own")
+        source, _, _ = read_single_file(files[part])
+        own = set(parts[part].state_dict())
+        for key in source:  # transformers >= 5.6 writes a CLIPTextModel's names without `text_model.`
+            name = key if key in own or "text_model." + key not in own else "text_model." + key
+            joined[prefix + ("shared.weight" if name == "encoder.embed_tokens.weight" else name)] = (source, key)
+        for ours, (original, _) in original_names(parts, layout).items():
+            if ours.startswith(part + ".") and original not in joined:
+                raise SingleFileError(
+                    f"{part}'s own file {files[part]} has no {original.removeprefix(prefix)}; "
+                    f"is it the weights of the {part}, in transformers' names?"
+                )
+    return Joined(state, joined) if joined else state
+
+
 def _with_ema(state: Mapping[str, torch.Tensor], path: Path) -> Mapping[str, torch.Tensor]:
     """`state` whose UNet weights read the EMA weights stored beside them (`model_ema.<key without dots>`)."""
     ema = {}
@@ -300,13 +354,20 @@ def _load_original(parts: Parts, state: Mapping, layout: str, path: Path, dtypes
     by_part: dict[str, dict] = {name: {} for name in parts.networks}
     shapes = {part: {k: v.shape for k, v in getattr(parts, part).state_dict().items()} for part in by_part}
     last: tuple[str, torch.Tensor] | None = None  # the fused q/k/v weight just read, for its next two slots
-    for ours, (original, slot) in original_names(parts, file_layout(layout)).items():
+    written = file_layout(layout)
+    for ours, implied in written.implied.items():
+        part, _, key = ours.partition(".")
+        if part in by_part:
+            by_part[part][key] = implied(shapes[part][key]).to(dtypes.get(part, torch.float32))
+    for ours, (original, slot) in original_names(parts, written).items():
         if original not in state:
             raise SingleFileError(f"{path}: missing weight {original} (for {ours}); is it a complete checkpoint?")
         tensor = last[1] if last is not None and last[0] == original else state[original]
-        last = (original, tensor) if slot is not None and slot != TRANSPOSED else None
+        last = (original, tensor) if slot is not None and slot not in (TRANSPOSED, SWAPPED) else None
         if slot == TRANSPOSED:
             tensor = tensor.T
+        elif slot == SWAPPED:
+            tensor = _swapped(tensor)
         elif slot is not None:
             tensor = tensor.chunk(3)[slot]
         part, _, key = ours.partition(".")

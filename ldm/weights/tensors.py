@@ -78,3 +78,25 @@ class Renamed(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.state)
+
+
+class Joined(Mapping[str, torch.Tensor]):
+    """A single file's tensors and, under the keys `joined` names, those of the text encoders' own files."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], joined: dict[str, tuple[Mapping, str]]) -> None:
+        self.state, self.joined = state, joined
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.joined:
+            source, name = self.joined[key]
+            return source[name]
+        return self.state[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.joined or key in self.state
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**dict.fromkeys(self.state), **dict.fromkeys(self.joined)})
+
+    def __len__(self) -> int:
+        return len(set(self.state) | set(self.joined))

@@ -89,6 +89,7 @@ class ImageLogger(pl.Callback):
                     pipe, self.prompts, self.num_per_prompt, self.num_inference_steps, self.guidance_scale, self.seed,
                     self.height or height, self.width or width,
                     stop=lambda: getattr(trainer.checkpoint_callback, "signal", None) is not None,
+                    options=getattr(getattr(pl_module, "text", None), "options", None),  # as captions are encoded
                 )  # fmt: skip
         except SamplingStopped as err:
             log.info("samples of step %d: %s by a stop signal; no grid written", trainer.global_step, err)
