@@ -56,11 +56,21 @@ def test_the_loss_is_flow_matching_with_the_settings(tiny_sd, flow, shift):
     assert torch.isfinite(loss) and torch.equal(loss, expected)
 
 
+def test_without_an_objective_the_scheduler_decides(tiny_sd, caplog):
+    """A config naming no objective trains as its scheduler (the config's, else the weights') does: flow matching
+    with a `FlowMatch*` one, leaving out a preset's Min-SNR (said in the log); else DDPM."""
+    assert latent_diffusion(pretrained=str(tiny_sd)).objective.kind == "ddpm"
+    with caplog.at_level("INFO", logger="ldm.training.model"):
+        system = latent_diffusion(pretrained=str(tiny_sd), scheduler=FLOW_SCHEDULER, snr_gamma=5.0)
+    assert (system.objective.kind, system.snr_gamma) == ("flow", None)
+    assert "model.params.snr_gamma: 5.0 left out: these weights train by flow matching" in caplog.text
+
+
 def test_flow_settings_and_schedulers_that_cannot_train_are_refused(tiny_sd):
     with pytest.raises(
         ConfigError, match=r"model.params.objective: ddpm cannot train .*FlowMatchEuler.*objective: flow"
     ):
-        latent_diffusion(pretrained=str(tiny_sd), scheduler=FLOW_SCHEDULER).configure_model()
+        latent_diffusion(pretrained=str(tiny_sd), scheduler=FLOW_SCHEDULER, objective="ddpm").configure_model()
     with pytest.raises(ConfigError, match=r"model.params.objective: flow cannot train .*DDPMScheduler.*FlowMatch"):
         latent_diffusion(pretrained=str(tiny_sd), objective="flow").configure_model()
     with pytest.raises(ConfigError, match=r"model.params.flow: applies to objective: flow"):

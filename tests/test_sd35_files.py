@@ -4,6 +4,7 @@ encoders' files of their own, and the family told from a file's keys."""
 import inspect
 import json
 
+import numpy as np
 import pytest
 import torch
 from diffusers import SD3Transformer2DModel
@@ -58,6 +59,7 @@ def test_a_single_file_reads_back_exactly_and_diffusers_reads_it_as_the_folder(f
     diffusers' own single-file reader makes of it the very weights of the diffusers folder."""
     from diffusers import StableDiffusion3Pipeline
 
+    from ldm.sampling import build_pipeline, sample
     from ldm.weights.single_file import load_single_file, save_single_file
 
     path = save_single_file(parts, tmp_path / "tiny.safetensors")
@@ -82,7 +84,14 @@ def test_a_single_file_reads_back_exactly_and_diffusers_reads_it_as_the_folder(f
     # diffusers 0.42 leaves T5's `encoder.embed_tokens` (the same tensor as `shared`) unread from any such file
     t5 = pipe.text_encoder_3.state_dict()
     assert [k for k, v in t5.items() if v.is_meta] == ["encoder.embed_tokens.weight"]
-    assert torch.equal(t5["shared.weight"], parts.text_encoder_3.state_dict()["shared.weight"])
+    assert pipe.text_encoder_3.training  # and leaves T5 in training mode: its dropout on
+    pipe.text_encoder_3.tie_weights()  # the workaround the docs give: T5 then is the model written
+    pipe.text_encoder_3.eval()
+    assert not _same(parts.text_encoder_3, pipe.text_encoder_3)
+    ours = build_pipeline(parts, "euler")
+    pipe.scheduler = type(ours.scheduler).from_config(ours.scheduler.config)
+    assert np.array_equal(*(np.stack([np.asarray(i) for i in sample(p, ["a cat"], steps=2, height=16, width=16)])
+                            for p in (pipe, ours)))  # fmt: skip
 
 
 def test_text_encoders_come_from_files_of_their_own(parts, tmp_path):
@@ -258,3 +267,17 @@ def test_lora_files_in_kohyas_and_diffusers_formats_merge_as_ours_and_read_back(
             for path, a in modules.items():
                 assert a.rank == 2, f"{file.name}: {path} splits back into its own rank-2 adapter"
                 torch.testing.assert_close(a.up @ a.down * (a.alpha / a.rank), trained[name][path], rtol=0, atol=1e-6)
+
+
+def test_the_weights_scheduler_sets_the_objective(folder, parts, image_folder, tmp_path):
+    """A config that names no objective trains SD3.5 by flow matching, its scheduler being a flow-matching one:
+    told from a folder or a single file without loading a network; `sd-folder.yaml`'s Min-SNR is left out."""
+    from ldm.weights.read import scheduler_class
+    from ldm.weights.single_file import save_single_file
+    from tests.helpers import finetune_args, train_once
+
+    path = save_single_file(parts, tmp_path / "tiny.safetensors")
+    assert scheduler_class(folder) == scheduler_class(path) == "FlowMatchEulerDiscreteScheduler"
+    assert scheduler_class(tmp_path / "missing.safetensors") is None
+    train_once(finetune_args(path, image_folder, tmp_path / "logs", "lightning.callbacks.image_logger=null",
+                             "lightning.trainer.max_steps=1"), tmp_path / "logs")  # fmt: skip

@@ -8,6 +8,7 @@ memory options and LoRA (`ldm.components`), and hands the system its parts ready
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
@@ -25,8 +26,9 @@ from ldm.systems.latent_diffusion import LatentDiffusion as System
 from ldm.systems.latent_diffusion import Optimization
 from ldm.systems.objective import Objective, check_flow_settings
 from ldm.systems.text import TextSettings
-from ldm.weights.read import load_pretrained
+from ldm.weights.read import load_pretrained, scheduler_class
 
+log = logging.getLogger(__name__)
 DEFAULT_OPTIMIZER = {"target": "torch.optim.AdamW", "params": {"weight_decay": 1e-2}}
 
 
@@ -102,7 +104,7 @@ def latent_diffusion(
     part_weights: dict[Literal["unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"], ExistingPath]
     | None = None,
     architecture: dict[Literal["unet", "vae"], Declared] | None = None,
-    objective: Literal["ddpm", "edm", "flow"] = "ddpm",
+    objective: Literal["ddpm", "edm", "flow"] | None = None,
     edm: EDMSettings | None = None,
     flow: FlowSettings | None = None,
     mask_ratio: float = 0.0,
@@ -129,7 +131,7 @@ def latent_diffusion(
     cosine `lr_schedule` ends at `lr_min` (default 0).
 
     `objective: flow` trains by flow matching (`flow`: sampling, logit_mean, logit_std, mode_scale, shift, weighting;
-    see `ldm.systems.objective`) with a `FlowMatch*` scheduler.
+    see `ldm.systems.objective`) with a `FlowMatch*` scheduler; with no `objective`, the scheduler decides.
     `objective: edm` trains with EDM (`edm`: p_mean, p_std, sigma_data), `mask_ratio` of the patches dropped after
     a MicroDiT's patch mixer; `unconditional: zeros` makes a dropped caption's conditioning zeros (MicroDiT's
     classifier-free guidance); `expert_lr_multiplier` scales the LR of mixture-of-experts parameters.
@@ -165,6 +167,8 @@ def latent_diffusion(
         expert_lr_multiplier,
         lr_min,
     )
+    if objective is None:  # as the weights train: flow matching with a flow-matching scheduler, else DDPM
+        objective, snr_gamma = _weights_objective(pretrained, scheduler, snr_gamma)
     settings = dict(edm or {})
     training_objective = _objective(objective, settings, mask_ratio, unconditional, snr_gamma, expert_lr_multiplier)
     if flow and objective != "flow":
@@ -205,6 +209,20 @@ def latent_diffusion(
     if all(isinstance(specs[name], torch.nn.Module) for name in NETWORK_PARTS):
         system.configure_model()  # networks passed in: nothing to load
     return system
+
+
+def _weights_objective(pretrained: str | None, scheduler: Any, snr_gamma: float | None) -> tuple[str, float | None]:
+    """The objective a config that names none trains with, and its `snr_gamma`: `flow` where the scheduler (the
+    config's, else the weights') is a flow-matching one, where Min-SNR, a DDPM weighting a preset may set, is
+    left out, said in the log; else `ddpm`."""
+    target = scheduler.get("target") if isinstance(scheduler, dict) else None
+    name = str(target).rpartition(".")[2] if target else scheduler_class(pretrained)
+    if not str(name).startswith("FlowMatch"):
+        return "ddpm", snr_gamma
+    if snr_gamma is not None:
+        log.info("model.params.snr_gamma: %s left out: these weights train by flow matching (their %s), which "
+                 "weights its loss its own way", snr_gamma, name)  # fmt: skip
+    return "flow", None
 
 
 def _objective(

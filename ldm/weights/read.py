@@ -7,6 +7,7 @@ single file, or from a diffusers folder that carries its extras, keep them (`ldm
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +20,7 @@ from ldm.components.build import build_parts
 from ldm.components.describe import parts_from_description
 from ldm.components.lora import add_lora, is_lora_key, merged
 from ldm.config import ConfigError
-from ldm.families import OPTIONAL_PARTS, PART_NAMES
+from ldm.families import OPTIONAL_PARTS, PART_NAMES, detect_family
 from ldm.weights.checkpoint import load_checkpoint, load_pickle
 from ldm.weights.extras import attach, read_extras
 from ldm.weights.formats import CHECKPOINT_FOLDERS, CHECKPOINTS, PICKLE_SUFFIXES, Format, detect, is_our_checkpoint
@@ -156,6 +157,31 @@ def load_part_weights(module: torch.nn.Module, path: Path, key: str) -> None:
                 f"{list(own[name].shape)} by the config; make the config describe these weights"
             )
     module.load_state_dict(state)
+
+
+def scheduler_class(pretrained: str | Path | None) -> str | None:
+    """The class name of the scheduler the weights at `pretrained` come with, read without loading a network: a
+    diffusers folder's, or a `.safetensors` single file's (its ldm metadata, else its family's); None where that
+    cannot be told so (a `.ckpt`, one of our checkpoints, an unreadable file: reading it says why)."""
+    if pretrained is None:
+        return None
+    path = Path(pretrained).expanduser()
+    kind = detect(path)
+    if kind is Format.DIFFUSERS:
+        config = path / "scheduler" / "scheduler_config.json"
+        return json.loads(config.read_text()).get("_class_name") if config.is_file() else None
+    if kind is not Format.FILE or path.suffix != ".safetensors":
+        return None
+    try:
+        state, metadata, _ = read_single_file(path)
+        if metadata.get("parts", {}).get("scheduler"):
+            return str(metadata["parts"]["scheduler"]["class"]).rpartition(".")[2]
+        family, _ = detect_family(state, metadata, where=str(path))
+    except ValueError:
+        return None
+    if family is None:
+        return None
+    return json.loads((family.folder / "scheduler" / "scheduler_config.json").read_text()).get("_class_name")
 
 
 def parts_from_checkpoint(ckpt: dict, ema: bool = False, merge: bool = True) -> Parts:
