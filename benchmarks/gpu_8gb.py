@@ -105,17 +105,9 @@ def random_sd35(out: Path, src: Path = REPO / "configs" / "models" / "sd35-mediu
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        CLIPTokenizer,
-        T5Config,
-        T5EncoderModel,
-        T5TokenizerFast,
-    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    from examples.tiny_sd35 import write_t5_tokenizer
-    from ldm.components.tokenizers import write_clip_tokenizer
+    from examples.tiny_sd35 import write_sd35_tokenizers
 
     def from_config(cls: type, name: str) -> Any:  # a diffusers class
         return cls.from_config(cls.load_config(src / name))
@@ -123,18 +115,14 @@ def random_sd35(out: Path, src: Path = REPO / "configs" / "models" / "sd35-mediu
     def clip(name: str) -> CLIPTextModelWithProjection:
         return CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(src / name)).to(torch.bfloat16)
 
-    write_clip_tokenizer(out / "tokenizer")
-    write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
     pipe = StableDiffusion3Pipeline(
         transformer=from_config(SD3Transformer2DModel, "unet").to(torch.bfloat16),
         vae=from_config(AutoencoderKL, "vae").to(torch.bfloat16),
         text_encoder=clip("text_encoder"),
         text_encoder_2=clip("text_encoder_2"),
         text_encoder_3=T5EncoderModel(T5Config.from_pretrained(src / "text_encoder_3")).to(torch.bfloat16),
-        tokenizer=CLIPTokenizer.from_pretrained(out / "tokenizer"),
-        tokenizer_2=CLIPTokenizer.from_pretrained(out / "tokenizer_2"),
-        tokenizer_3=T5TokenizerFast.from_pretrained(write_t5_tokenizer(out / "tokenizer_3")),
         scheduler=from_config(FlowMatchEulerDiscreteScheduler, "scheduler"),
+        **write_sd35_tokenizers(out),
     )
     pipe.save_pretrained(out)
     return out

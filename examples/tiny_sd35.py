@@ -80,6 +80,23 @@ def write_t5_tokenizer(out_dir: str | Path, vocab_size: int = T5_VOCAB, model_ma
     return Path(out_dir)
 
 
+def write_sd35_tokenizers(out_dir: Path, t5: bool = True) -> dict:
+    """Write an SD3.5 folder's tokenizers (the real CLIP ones, written offline; T5's trained offline, where `t5`)
+    and return them by part name, `tokenizer_3` None without T5."""
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from ldm.components.tokenizers import write_clip_tokenizer
+
+    write_clip_tokenizer(out_dir / "tokenizer")
+    write_clip_tokenizer(out_dir / "tokenizer_2", pad_token="!")
+    tokenizer_3 = T5TokenizerFast.from_pretrained(write_t5_tokenizer(out_dir / "tokenizer_3")) if t5 else None
+    return {
+        "tokenizer": CLIPTokenizer.from_pretrained(out_dir / "tokenizer"),
+        "tokenizer_2": CLIPTokenizer.from_pretrained(out_dir / "tokenizer_2"),
+        "tokenizer_3": tokenizer_3,
+    }
+
+
 def write_tiny_sd35(out_dir: str | Path, family: str = "sd35-medium", seed: int = 0, t5: bool = True) -> Path:
     """Write a tiny SD3.5-shaped diffusers pipeline folder (16 px images, 16x8x8 latents) with random weights;
     without T5 (`text_encoder_3` and `tokenizer_3` null) where `t5` is False."""
@@ -90,26 +107,15 @@ def write_tiny_sd35(out_dir: str | Path, family: str = "sd35-medium", seed: int 
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        CLIPTokenizer,
-        T5Config,
-        T5EncoderModel,
-        T5TokenizerFast,
-    )
-
-    from ldm.components.tokenizers import write_clip_tokenizer
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
-    write_clip_tokenizer(out_dir / "tokenizer")
-    write_clip_tokenizer(out_dir / "tokenizer_2", pad_token="!")
-    three = {"text_encoder_3": None, "tokenizer_3": None}
+    tokenizers = write_sd35_tokenizers(out_dir, t5)
+    t5_encoder = None
     if t5:
-        tokenizer_3 = T5TokenizerFast.from_pretrained(write_t5_tokenizer(out_dir / "tokenizer_3"))
-        config = T5Config(**TINY_T5, vocab_size=len(tokenizer_3), pad_token_id=0, eos_token_id=1)
-        three = {"text_encoder_3": T5EncoderModel(config), "tokenizer_3": tokenizer_3}
+        vocab = len(tokenizers["tokenizer_3"])
+        t5_encoder = T5EncoderModel(T5Config(**TINY_T5, vocab_size=vocab, pad_token_id=0, eos_token_id=1))
     clip_l = CLIPTextModelWithProjection(CLIPTextConfig(**TINY_CLIP_L))
     with torch.no_grad():  # SD3's CLIP-L projects by the identity: its single files hold no projection
         clip_l.text_projection.weight.copy_(torch.eye(TINY_CLIP_L["hidden_size"]))
@@ -118,10 +124,9 @@ def write_tiny_sd35(out_dir: str | Path, family: str = "sd35-medium", seed: int 
         vae=AutoencoderKL(**TINY_SD3_VAE),
         text_encoder=clip_l,
         text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**TINY_CLIP_G)),
-        tokenizer=CLIPTokenizer.from_pretrained(out_dir / "tokenizer"),
-        tokenizer_2=CLIPTokenizer.from_pretrained(out_dir / "tokenizer_2"),
+        text_encoder_3=t5_encoder,
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
-        **three,
+        **tokenizers,
     )
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

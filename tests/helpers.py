@@ -108,6 +108,17 @@ def finetune_args(tiny_sd, images, logdir, *extra) -> list[str]:
     ]  # fmt: skip
 
 
+def recorded_losses(weights, images, tmp_path: Path, name: str, *extra: str) -> list[float]:
+    """Each step's loss of a fine-tune of `weights` (`finetune_args`: 3 steps) without sample grids or flips and
+    with half the captions dropped, `extra` overrides winning: for runs compared step by step."""
+    logdir, rec = tmp_path / name, tmp_path / f"{name}.jsonl"
+    train_once(finetune_args(weights, images, logdir, "lightning.callbacks.image_logger=null",
+                             "data.params.flip=false", "data.params.caption_dropout=0.5",
+                             "lightning.callbacks.rec.target=tests.helpers.RecordLosses",
+                             f"lightning.callbacks.rec.params.path={rec}", *extra), logdir)  # fmt: skip
+    return [json.loads(line)["loss"] for line in rec.read_text().splitlines()]
+
+
 def train_once(argv: list[str], logdir: Path) -> Path:
     """Run main.py with `argv`, which must succeed, and return the one run folder it made in `logdir`."""
     from main import main

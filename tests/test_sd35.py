@@ -187,18 +187,11 @@ def test_a_tiny_sd35_run_resumes_to_the_weights_of_an_unbroken_run(tiny_sd35_fol
 def test_a_cached_sd35_run_trains_exactly_as_encoding_every_step(tiny_sd35_folder, image_folder, tmp_path):
     """Latents (shifted, then scaled) and the three encoders' states encoded once train as encoding them every
     step; with the caches, T5 never runs in a step."""
-    from tests.helpers import finetune_args, train_once
+    from tests.helpers import recorded_losses
 
-    def losses(name: str, *extra: str) -> list[float]:
-        logdir, rec = tmp_path / name, tmp_path / f"{name}.jsonl"
-        train_once(finetune_args(tiny_sd35_folder, image_folder, logdir, *FLOW, "lightning.callbacks.image_logger=null",
-                                 "data.params.flip=false", "data.params.caption_dropout=0.5",
-                                 "lightning.callbacks.rec.target=tests.helpers.RecordLosses",
-                                 f"lightning.callbacks.rec.params.path={rec}", *extra), logdir)  # fmt: skip
-        return [json.loads(line)["loss"] for line in rec.read_text().splitlines()]
-
-    every_step = losses("every_step")
-    cached = losses("cached", "data.params.cache_latents=true", "data.params.cache_text=true")
+    every_step = recorded_losses(tiny_sd35_folder, image_folder, tmp_path, "every_step", *FLOW)
+    cached = recorded_losses(tiny_sd35_folder, image_folder, tmp_path, "cached", *FLOW,
+                             "data.params.cache_latents=true", "data.params.cache_text=true")  # fmt: skip
     torch.testing.assert_close(torch.tensor(cached), torch.tensor(every_step), rtol=1e-5, atol=1e-6)
 
 

@@ -116,20 +116,12 @@ def test_training_the_second_text_encoder_needs_weights_that_have_one(tiny_sd):
 def test_a_cached_sdxl_run_trains_exactly_as_encoding_every_step(tiny_sdxl, image_folder, tmp_path, capsys):
     """Latents and both encoders' states encoded once train as encoding them every step: the cache keeps each
     image's size and crop (20 x 24 here, trained at 16 x 16), so the size conditioning is the same too."""
-    import json
-
     from main import main
+    from tests.helpers import recorded_losses
 
-    def losses(name: str, *extra: str) -> list[float]:
-        logdir, rec = tmp_path / name, tmp_path / f"{name}.jsonl"
-        train_once(finetune_args(tiny_sdxl, image_folder, logdir, "lightning.callbacks.image_logger=null",
-                                 "data.params.flip=false", "data.params.caption_dropout=0.5",
-                                 "lightning.callbacks.rec.target=tests.helpers.RecordLosses",
-                                 f"lightning.callbacks.rec.params.path={rec}", *extra), logdir)  # fmt: skip
-        return [json.loads(line)["loss"] for line in rec.read_text().splitlines()]
-
-    every_step = losses("every_step")
-    cached = losses("cached", "data.params.cache_latents=true", "data.params.cache_text=true")
+    every_step = recorded_losses(tiny_sdxl, image_folder, tmp_path, "every_step")
+    cached = recorded_losses(tiny_sdxl, image_folder, tmp_path, "cached", "data.params.cache_latents=true",
+                             "data.params.cache_text=true")  # fmt: skip
     torch.testing.assert_close(torch.tensor(cached), torch.tensor(every_step), rtol=1e-5, atol=1e-6)
     argv = finetune_args(tiny_sdxl, image_folder, tmp_path / "refused", "data.params.cache_text=true",
                          "model.params.trainable=[unet,text_encoder_2]")  # fmt: skip

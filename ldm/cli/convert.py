@@ -3,7 +3,7 @@
     python scripts/convert.py --src v1-5-pruned-emaonly.safetensors --dst sd15-diffusers
     python scripts/convert.py --src sd15-diffusers --dst sd15.safetensors --half
     python scripts/convert.py --src logs/RUN/checkpoints/last.ckpt --dst my-model.safetensors --ema
-    python scripts/convert.py --src sd3.5_medium.safetensors --dst sd35m-diffusers \
+    python scripts/convert.py --src mmdit-only.safetensors --dst model-diffusers \
         --part text_encoder=clip_l.safetensors --part text_encoder_2=clip_g.safetensors \
         --part text_encoder_3=t5xxl_fp16.safetensors
 

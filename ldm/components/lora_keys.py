@@ -24,7 +24,7 @@ import torch
 from ldm.components import Parts
 from ldm.components.unet_layout import original_unet_name
 from ldm.families import ARCHITECTURES, architecture_of
-from ldm.families.base import SWAPPED
+from ldm.families.base import SWAPPED, swapped_halves
 
 KOHYA_LEVELS = {"unet": "", "text_encoder": "text_model.", "text_encoder_2": "text_model.", "text_encoder_3": ""}
 KOHYA_SUFFIXES = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
@@ -152,7 +152,7 @@ def _fused(by_slot: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     piece of slot None is the module itself; `SWAPPED`'s up has its halves exchanged; slots 0..2 stack."""
     if None in by_slot or SWAPPED in by_slot:
         (slot, (down, up, scale)), *_ = by_slot.items()
-        up = torch.cat(up.chunk(2)[::-1]).contiguous() if slot == SWAPPED else up
+        up = swapped_halves(up).contiguous() if slot == SWAPPED else up
         return down, up, torch.tensor(scale * down.shape[0])
     slots = sorted(by_slot)
     scale, rows = by_slot[slots[0]][2], by_slot[slots[0]][1].shape[0]
@@ -191,7 +191,8 @@ def read_adapters(path: str | Path, parts: Parts, where: str) -> dict[str, dict[
         for part, spelling in spelled.items()
     }
     fused = _fused_names(parts, prefixes) if kohya else {}
-    names["unet"] = names.get("unet", {}) | {name: name for name in fused}
+    if fused:  # a fused name stands for the modules it splits into (below)
+        names["unet"] = names.get("unet", {}) | {name: name for name in fused}
     found: dict[tuple[str, str], dict] = {}
     for key, tensor in state.items():
         if kohya:
@@ -239,7 +240,7 @@ def _piece(
     if slot is None:
         return down, up, alpha
     if slot == SWAPPED:
-        return down, torch.cat(up.chunk(2)[::-1]), alpha
+        return down, swapped_halves(up), alpha
     rows = up.shape[0] // QKV
     piece = up[slot * rows : (slot + 1) * rows]
     used = piece.abs().sum(dim=0) != 0

@@ -36,6 +36,7 @@ from ldm.families.base import (
     PartsLike,
     SingleFileError,
     prediction_of,
+    scheduler_prediction,
 )
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "family_of",
     "layout_of_keys",
     "prediction_of",
+    "scheduler_prediction",
     "refused_pipeline",
     "refuse_other_models",
     "CONFIGS",
@@ -130,7 +132,7 @@ def family_of(parts: Any) -> Family | None:
             getattr(parts.text_encoder.config, k) == text[k]
             for k in ("hidden_size", "num_hidden_layers", "intermediate_size")
         )
-        prediction = prediction_of({"_class_name": type(parts.scheduler).__name__, **parts.scheduler.config})
+        prediction = scheduler_prediction(parts.scheduler)
         text_parts = {p for p in parts if p.startswith("text_encoder")}
         same_parts = text_parts == {p for p in family.networks if p.startswith("text_encoder")}
         if same_unet and same_text and same_parts and prediction == family.prediction_type:

@@ -36,6 +36,16 @@ TextEncoding = Callable[[PartsLike, Sequence[str], torch.device], dict[str, torc
 ImageEncoding = Callable[[PartsLike, tuple[int, int], torch.device], dict[str, torch.Tensor]]
 
 
+def swapped_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with its two halves along dim 0 exchanged (`SWAPPED`; its own inverse)."""
+    return torch.cat(tensor.chunk(2)[::-1])
+
+
+def scheduler_prediction(scheduler: Any) -> str:
+    """What a built scheduler's model predicts (`prediction_of` its config and class)."""
+    return prediction_of({"_class_name": type(scheduler).__name__, **scheduler.config})
+
+
 def prediction_of(scheduler_config: Mapping[str, Any]) -> str:
     """What a scheduler's model predicts: its `prediction_type`; `flow` (the velocity) for a flow-matching one,
     which has none; else epsilon, the default of those that have one."""

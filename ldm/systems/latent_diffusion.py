@@ -246,7 +246,7 @@ class LatentDiffusion(pl.LightningModule):
         if self.objective.zero_unconditional:  # the caption's conditioning; an image's own (sizes) stays
             kept = torch.tensor([bool(c) for c in batch["caption"]], device=latents.device)
             cond = {k: v * kept.reshape(-1, *([1] * (v.ndim - 1))).to(v.dtype) for k, v in cond.items()}
-        if self.text.dropout:  # each text encoder dropped on its own (SD3's recipe)
+        if self.text.dropout:  # each text encoder dropped on its own (Esser et al. 2024)
             cond = drop_encoders(self.text, CONDITIONINGS[self.conditioning], self.parts, cond, draws)
         cond = {k: v.to(dtype) for k, v in {**cond, **self.encode_image_sizes(batch, latents)}.items()}
         if self.objective.kind == "edm":

@@ -2,9 +2,9 @@
 (`ldm.families.Conditioning`): the settings its caption encoding takes (T5's token count, diffusers'
 `max_sequence_length`), and each text encoder's own dropout.
 
-A text encoder dropped for a sample gives zeros in its share of that sample's conditioning: SD3 trains so
-(Esser et al. 2024, sec. 5.3.2: each of its three encoders dropped independently), which lets the model sample
-without T5. Whole captions are dropped by the data (`data.params.caption_dropout`); the two combine.
+A text encoder dropped for a sample gives zeros in its share of that sample's conditioning, as Esser et al. 2024
+(sec. 5.3.2) train with three encoders, each dropped independently, which lets the model sample without the
+largest. Whole captions are dropped by the data (`data.params.caption_dropout`); the two combine.
 """
 
 from __future__ import annotations

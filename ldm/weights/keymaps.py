@@ -100,16 +100,17 @@ def original_names(parts: Parts, layout: Any) -> dict[str, tuple[str, int | None
                 continue
             plain = without_prefix(key)
             try:
-                name, slot = (
-                    (plain, None) if kind == "clip" else (_tied(key), None) if kind == "hf" else _open_clip_name(plain)
-                )
+                if kind == "open_clip":
+                    name, slot = _open_clip_name(plain)
+                else:  # transformers' names: CLIP's without its `text_model.` level, or as they are
+                    name, slot = (plain if kind == "clip" else tied_name(key)), None
             except KeyError:
                 raise SingleFileError(f"{part} weight {key!r} has no place in the OpenCLIP layout") from None
             names[f"{part}.{key}"] = (prefix + name, slot)
     return names
 
 
-def _tied(key: str) -> str:
+def tied_name(key: str) -> str:
     """A T5 encoder's token embedding is one tensor under two names (`shared`, `encoder.embed_tokens`): files hold
     it once, as `shared.weight`."""
     return "shared.weight" if key == "encoder.embed_tokens.weight" else key

@@ -38,9 +38,9 @@ from ldm.families import (
     detect_family,
     family_of,
     layout_of_keys,
-    prediction_of,
+    scheduler_prediction,
 )
-from ldm.families.base import SWAPPED
+from ldm.families.base import SWAPPED, swapped_halves
 from ldm.utils.atomic import atomic_path
 from ldm.weights.checkpoint import load_pickle
 from ldm.weights.extras import Extras, attach, extras_of, extras_read_with, fingerprint, writable
@@ -52,6 +52,7 @@ from ldm.weights.keymaps import (
     ema_name,
     is_vae_attention_weight,
     original_names,
+    tied_name,
 )
 from ldm.weights.tensors import Joined, Renamed, TensorFile
 
@@ -88,7 +89,7 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
         if is_vae_attention_weight(original) and tensor.dim() == 2:
             tensor = tensor[:, :, None, None]
         if slot is None or slot in (TRANSPOSED, SWAPPED):
-            out[original] = tensor if slot is None else tensor.T if slot == TRANSPOSED else _swapped(tensor)
+            out[original] = tensor if slot is None else tensor.T if slot == TRANSPOSED else swapped_halves(tensor)
         else:
             fused.setdefault(original, [None] * 3)[slot] = tensor
     out.update({k: torch.cat(chunks) for k, chunks in fused.items()})
@@ -96,15 +97,6 @@ def to_original(parts: Parts, text_layout: str, half: bool = False) -> dict[str,
         out.update(layout.placeholders(parts, out))
     dtype = torch.float16 if half else None
     return {k: v.to(dtype=dtype or v.dtype).contiguous() for k, v in out.items()}
-
-
-def _prediction(parts: Parts) -> str:
-    return prediction_of({"_class_name": type(parts.scheduler).__name__, **parts.scheduler.config})
-
-
-def _swapped(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` with its two halves along dim 0 exchanged (its own inverse)."""
-    return torch.cat(tensor.chunk(2)[::-1])
 
 
 def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_layout: str | None = None) -> Path:
@@ -128,7 +120,7 @@ def save_single_file(parts: Parts, path: str | Path, half: bool = False, text_la
     meta = {
         "family": family.name if family else "custom",
         "text_layout": layout,
-        "prediction_type": _prediction(parts),
+        "prediction_type": scheduler_prediction(parts.scheduler),
         "parts": describe_parts(parts),
     }
     path = Path(path)
@@ -249,7 +241,7 @@ def load_single_file(
         extras = {k: v for k in extra_keys(state, parts, layout, ema) if isinstance(v := state[k], torch.Tensor)}
     attach(parts, extras_read_with(parts, extras, str(path), layout))
     title = detected.title if detected else "a custom architecture"
-    prediction = _prediction(parts)
+    prediction = scheduler_prediction(parts.scheduler)
     kept = f"; {len(extras)} tensors no part holds kept beside them" if extras else ""
     return parts, f"{path}: {title} ({prediction}), {how}{kept}"
 
@@ -307,6 +299,7 @@ def _with_part_files(
     """`state` with each text encoder in `files` read from its own file, under the layout's names; a text encoder
     the layout lets a file lack and that neither has is an error saying how to give it."""
     joined: dict[str, tuple[Mapping, str]] = {}
+    names: dict[str, tuple[str, int | None]] = {}  # the layout's names, made once a part file needs them
     for part, prefix, kind in layout.text:
         if part not in files:
             if part in layout.optional and not any(k.startswith(prefix) for k in state):
@@ -322,8 +315,9 @@ def _with_part_files(
         own = set(parts[part].state_dict())
         for key in source:  # transformers >= 5.6 writes a CLIPTextModel's names without `text_model.`
             name = key if key in own or "text_model." + key not in own else "text_model." + key
-            joined[prefix + ("shared.weight" if name == "encoder.embed_tokens.weight" else name)] = (source, key)
-        for ours, (original, _) in original_names(parts, layout).items():
+            joined[prefix + tied_name(name)] = (source, key)
+        names = names or original_names(parts, layout)
+        for ours, (original, _) in names.items():
             if ours.startswith(part + ".") and original not in joined:
                 raise SingleFileError(
                     f"{part}'s own file {files[part]} has no {original.removeprefix(prefix)}; "
@@ -367,7 +361,7 @@ def _load_original(parts: Parts, state: Mapping, layout: str, path: Path, dtypes
         if slot == TRANSPOSED:
             tensor = tensor.T
         elif slot == SWAPPED:
-            tensor = _swapped(tensor)
+            tensor = swapped_halves(tensor)
         elif slot is not None:
             tensor = tensor.chunk(3)[slot]
         part, _, key = ours.partition(".")
